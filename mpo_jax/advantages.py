@@ -1,0 +1,508 @@
+"""Every advantage estimator of DESIGN.md §3, as pure jittable functions on padded [B, T] arrays.
+
+Notation, per trajectory: the action (``loss_mask``) positions of turn k are S_k, in order;
+s_k is the first of them; K turns. Observation tokens carry no reward, value or discount: every
+recursion jumps over them. The value after the last action token is 0 (the episode ended) or
+``bootstrap_value`` (pass ``jnp.where(truncated, v_after_last, 0)`` for truncated episodes).
+
+Every function accepts NumPy or JAX arrays in float32 or float64 (float64 needs ``jax_enable_x64``),
+computes in the wider of its inputs' float dtypes, and runs under ``jax.jit`` with its
+hyperparameters passed as Python floats. Outputs are 0 off ``loss_mask``. Internally the arrays
+are transposed once to time-major [T, B] and every recursion is
+:func:`mpo_jax.scan.reverse_scans_time_major`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from mpo_jax.batch import (
+    TurnStructure,
+    broadcast_turn_values,
+    float_dtype,
+    turn_structure_time_major,
+    turn_sum_time_major,
+)
+from mpo_jax.scan import ScanMethod, reverse_linear_scan, reverse_scans_time_major
+
+__all__ = [
+    "token_gae",
+    "turn_gae",
+    "multiscale_advantages",
+    "turn_log_ratio",
+    "group_advantages",
+    "trace_turn_credit",
+    "trace_turn_advantages",
+    "gigpo_advantages",
+    "masked_whiten",
+]
+
+ArrayLike = jax.typing.ArrayLike
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces
+# ----------------------------------------------------------------------------------------------
+
+
+def _prepare(rewards, values, loss_mask, turn_ids=None, bootstrap_value=None):
+    """Time-major float arrays with off-mask entries zeroed, and the bootstrap carry [B]."""
+    dtype = float_dtype(rewards, values)
+    mask = jnp.asarray(loss_mask, bool).T
+    r = jnp.where(mask, jnp.asarray(rewards, dtype).T, 0)
+    v = jnp.where(mask, jnp.asarray(values, dtype).T, 0)
+    boot = (
+        jnp.zeros(mask.shape[1:], dtype)
+        if bootstrap_value is None
+        else jnp.broadcast_to(jnp.asarray(bootstrap_value, dtype), mask.shape[1:])
+    )
+    if turn_ids is None:
+        turns = None
+    else:
+        turns = turn_structure_time_major(mask, jnp.asarray(turn_ids).T)
+    return r, v, mask, turns, boot
+
+
+def _next_action_values(v, mask, boot, method):
+    """V at the next action token after t (``boot`` after the last one), time-major.
+
+    ``u_t = m_{t+1} V_{t+1} + (1 - m_{t+1}) u_{t+1}``: the recursion passes through observation
+    tokens, so the "next" value skips them (what verl and tunix do for multi-turn PPO).
+    """
+    m = mask.astype(v.dtype)
+    a = jnp.concatenate([(m * v)[1:], jnp.zeros_like(v[:1])], axis=0)
+    c = jnp.concatenate([(1 - m)[1:], jnp.ones_like(v[:1])], axis=0)
+    (u,) = reverse_scans_time_major([(a, c, boot)], method=method)
+    return u
+
+
+def _turn_parts(r, v, mask, turns: TurnStructure, v_next, gamma, lam, method):
+    """Turn GAE in token space: (A_k on every token of turn k, V_{s_k} on every token of turn k).
+
+    A forward pass fills V_{s_k} and accumulates R_k = Σ_{t∈S_k} r_t up to each turn's end; at the
+    end token δ_k = R_k + γ V_{s_{k+1}} - V_{s_k} (``v_next`` there is V_{s_{k+1}}); the reverse
+    recursion A = δ + γλ A' acts only at turn ends and passes the carry through everything else,
+    so every token of turn k reads A_k.
+    """
+    start = turns.start.astype(v.dtype)
+    zero = jnp.zeros(v.shape[1:], v.dtype)
+    v_start, r_sum = reverse_scans_time_major(
+        [(start * v, 1 - start, zero), (r, 1 - start, zero)], method=method, forward=True
+    )
+    delta = jnp.where(turns.end, r_sum + gamma * v_next - v_start, 0)
+    coeff = jnp.where(turns.end, gamma * lam, 1).astype(v.dtype)
+    return delta, coeff, v_start
+
+
+def _out(*arrays):
+    out = tuple(x.T for x in arrays)
+    return out if len(out) > 1 else out[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The GAE family
+# ----------------------------------------------------------------------------------------------
+
+
+def token_gae(
+    rewards: ArrayLike,
+    values: ArrayLike,
+    loss_mask: ArrayLike,
+    *,
+    gamma: float,
+    lam: float,
+    bootstrap_value: ArrayLike | None = None,
+    method: ScanMethod = "sequential",
+) -> tuple[jax.Array, jax.Array]:
+    """Token-level GAE over the action tokens (PPO).
+
+    Over the ``loss_mask`` positions p_0 < ... < p_{N-1} of a trajectory:
+    ``δ_i = r_{p_i} + γ V_{p_{i+1}} - V_{p_i}`` (``V_{p_N}`` = ``bootstrap_value``, default 0),
+    ``A_i = δ_i + γλ A_{i+1}``; returns ``= A + V``. Schulman et al. 2016, arXiv:1506.02438.
+
+    Args:
+      rewards, values, loss_mask: [B, T].
+      gamma, lam: discount and GAE λ (Python floats or scalars).
+      bootstrap_value: [B] value after the last action token; 0 when None.
+      method: scan strategy, see :mod:`mpo_jax.scan`.
+
+    Returns:
+      (advantages, returns), each [B, T], 0 off ``loss_mask``.
+
+    Example:
+      >>> import numpy as np
+      >>> adv, ret = token_gae(np.array([[0., 0., 1.]]), np.zeros((1, 3)),
+      ...                      np.array([[True, False, True]]), gamma=1.0, lam=1.0)
+      >>> adv.tolist()
+      [[1.0, 0.0, 1.0]]
+    """
+    r, v, mask, _, boot = _prepare(rewards, values, loss_mask, None, bootstrap_value)
+    v_next = _next_action_values(v, mask, boot, method)
+    delta = jnp.where(mask, r + gamma * v_next - v, 0)
+    coeff = jnp.where(mask, gamma * lam, 1).astype(v.dtype)
+    (adv,) = reverse_scans_time_major([(delta, coeff, jnp.zeros_like(boot))], method=method)
+    adv = jnp.where(mask, adv, 0)
+    return _out(adv, jnp.where(mask, adv + v, 0))
+
+
+def turn_gae(
+    rewards: ArrayLike,
+    values: ArrayLike,
+    loss_mask: ArrayLike,
+    turn_ids: ArrayLike,
+    *,
+    gamma: float,
+    lam: float,
+    bootstrap_value: ArrayLike | None = None,
+    method: ScanMethod = "sequential",
+) -> tuple[jax.Array, jax.Array]:
+    """Turn-level GAE (turn-PPO): credit decays per turn, whatever the turn's length.
+
+    ``R_k = Σ_{t∈S_k} r_t``; ``δ_k = R_k + γ V_{s_{k+1}} - V_{s_k}`` (``V_{s_K}`` =
+    ``bootstrap_value``, default 0); ``A_k = δ_k + γλ A_{k+1}``. Every token of turn k gets
+    ``A_k``; returns ``G_k = A_k + V_{s_k}``.
+
+    Returns:
+      (advantages, returns), each [B, T], 0 off ``loss_mask``.
+    """
+    r, v, mask, turns, boot = _prepare(rewards, values, loss_mask, turn_ids, bootstrap_value)
+    v_next = _next_action_values(v, mask, boot, method)
+    delta, coeff, v_start = _turn_parts(r, v, mask, turns, v_next, gamma, lam, method)
+    (adv,) = reverse_scans_time_major([(delta, coeff, jnp.zeros_like(boot))], method=method)
+    adv = jnp.where(mask, adv, 0)
+    return _out(adv, jnp.where(mask, adv + v_start, 0))
+
+
+def multiscale_advantages(
+    rewards: ArrayLike,
+    values: ArrayLike,
+    loss_mask: ArrayLike,
+    turn_ids: ArrayLike,
+    *,
+    gamma_turn: float,
+    lam_turn: float,
+    gamma_token: float,
+    lam_token: float,
+    beta: float,
+    bootstrap_value: ArrayLike | None = None,
+    method: ScanMethod = "sequential",
+) -> jax.Array:
+    """Multiscale advantages (MPO's MAE): turn GAE plus a mean-centred intra-turn trace.
+
+    Turn part: ``A_k`` from :func:`turn_gae` with (γ_turn, λ_turn). Inside turn k, over its
+    action tokens t_0 < ... < t_n:
+    ``δ_{t_i} = r_{t_i} + γ_tok V_{t_{i+1}} - V_{t_i}`` for i < n,
+    ``δ_{t_n} = r_{t_n} + γ_turn V_{s_{k+1}} - V_{t_n}``,
+    ``a_{t_i} = Σ_{j=0}^{n-i} (γ_tok λ_tok)^j δ_{t_{i+j}}``, and
+
+        Â_t = A_k + β (a_t - mean_{S_k} a).
+
+    This is the least-squares projection of ``A_k + β a`` onto {turn mean = A_k}: every turn's
+    mean advantage is exactly ``A_k`` for any β, and β = 0 is turn-PPO.
+
+    Returns:
+      advantages [B, T], 0 off ``loss_mask``. (The critic's targets stay PPO's: use
+      :func:`token_gae`'s returns.)
+    """
+    r, v, mask, turns, boot = _prepare(rewards, values, loss_mask, turn_ids, bootstrap_value)
+    v_next = _next_action_values(v, mask, boot, method)
+    delta, coeff, _ = _turn_parts(r, v, mask, turns, v_next, gamma_turn, lam_turn, method)
+    zero = jnp.zeros_like(boot)
+    if isinstance(beta, int | float) and beta == 0:
+        (adv,) = reverse_scans_time_major([(delta, coeff, zero)], method=method)
+        return _out(jnp.where(mask, adv, 0))
+    gamma_next = jnp.where(turns.end, gamma_turn, gamma_token)
+    delta_tok = jnp.where(mask, r + gamma_next * v_next - v, 0)
+    trace_coeff = jnp.where(mask, jnp.where(turns.end, 0, gamma_token * lam_token), 1)
+    adv_turn, trace = reverse_scans_time_major(
+        [(delta, coeff, zero), (delta_tok, trace_coeff.astype(v.dtype), zero)], method=method
+    )
+    count = turn_sum_time_major(mask.astype(v.dtype), turns, method=method)
+    trace_mean = turn_sum_time_major(trace, turns, method=method) / jnp.maximum(count, 1)
+    adv = adv_turn + beta * (trace - trace_mean)
+    return _out(jnp.where(mask, adv, 0))
+
+
+def turn_log_ratio(
+    logp: ArrayLike,
+    old_logp: ArrayLike,
+    loss_mask: ArrayLike,
+    turn_ids: ArrayLike,
+    *,
+    reduce: Literal["sum", "mean"] = "sum",
+    method: ScanMethod = "sequential",
+) -> jax.Array:
+    """The turn log-ratio ``L_k = Σ_{t∈S_k} (logp_t - old_logp_t)``, broadcast to the turn's tokens.
+
+    ``reduce="mean"`` divides by ``|S_k|`` (the geometric-mean ratio of GSPO and ST-PPO).
+    Differentiable in ``logp``; unclamped (the policy loss clamps before ``exp``).
+
+    Returns:
+      [B, T], 0 off ``loss_mask``.
+    """
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"reduce: unknown reduction {reduce!r}; choose 'sum' or 'mean'")
+    dtype = float_dtype(logp, old_logp)
+    mask = jnp.asarray(loss_mask, bool).T
+    turns = turn_structure_time_major(mask, jnp.asarray(turn_ids).T)
+    diff = jnp.where(mask, jnp.asarray(logp, dtype).T - jnp.asarray(old_logp, dtype).T, 0)
+    total = turn_sum_time_major(diff, turns, method=method)
+    if reduce == "mean":
+        count = turn_sum_time_major(mask.astype(dtype), turns, method=method)
+        total = total / jnp.maximum(count, 1)
+    return _out(total)
+
+
+# ----------------------------------------------------------------------------------------------
+# Group-relative (critic-free) estimators
+# ----------------------------------------------------------------------------------------------
+
+_BASELINES = ("mean", "loo")
+_SCALES = ("std", "none")
+
+
+def _grouped_center_scale(x, keys, valid, baseline, scale, eps):
+    """Group-normalise the flat array ``x`` [N], elements grouped by equal ``keys`` (int [N] each).
+
+    Sort-based: O(N log N), exact, jittable; invalid elements form no group and get 0. A group of
+    one gets 0. std is the unbiased (ddof = 1) standard deviation of the group.
+    """
+    if baseline not in _BASELINES:
+        raise ValueError(f"baseline: unknown baseline {baseline!r}; choose one of {_BASELINES}")
+    if scale not in _SCALES:
+        raise ValueError(f"scale: unknown scale {scale!r}; choose one of {_SCALES}")
+    n = x.shape[0]
+    if n == 0:
+        return x
+    # lexsort: the last key is the primary one; invalid elements sort to the end.
+    order = jnp.lexsort(tuple(reversed(keys)) + (~valid,))
+    sorted_keys = [k[order] for k in keys]
+    sorted_valid = valid[order]
+    changed = jnp.zeros(n, bool).at[0].set(True)
+    for k in sorted_keys:
+        changed = changed | jnp.concatenate([jnp.ones(1, bool), k[1:] != k[:-1]])
+    segment = jnp.cumsum(changed) - 1
+    segment = jnp.where(sorted_valid, segment, n)  # invalid -> a dropped segment
+    xs = jnp.where(sorted_valid, x[order], 0)
+    count = jax.ops.segment_sum(sorted_valid.astype(x.dtype), segment, num_segments=n + 1)
+    total = jax.ops.segment_sum(xs, segment, num_segments=n + 1)
+    cnt, tot = count[segment], total[segment]
+    mean = tot / jnp.maximum(cnt, 1)
+    if baseline == "mean":
+        base = mean
+    else:  # leave-one-out mean of the others
+        base = (tot - xs) / jnp.maximum(cnt - 1, 1)
+    centred = xs - base
+    if scale == "std":
+        sq = jax.ops.segment_sum(jnp.where(sorted_valid, (xs - mean) ** 2, 0), segment, n + 1)
+        std = jnp.sqrt(sq[segment] / jnp.maximum(cnt - 1, 1))
+        centred = centred / (std + eps)
+    out_sorted = jnp.where(sorted_valid & (cnt > 1), centred, 0)
+    return jnp.zeros_like(x).at[order].set(out_sorted)
+
+
+def group_advantages(
+    outcomes: ArrayLike,
+    group_ids: ArrayLike,
+    *,
+    baseline: Literal["mean", "loo"] = "mean",
+    scale: Literal["std", "none"] = "std",
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Group-relative outcome advantages (GRPO, Dr.GRPO, RLOO).
+
+    ``A_b = (R_b - base_b) / (std_g + ε)``, with ``base_b`` the mean of b's group (GRPO) or the
+    leave-one-out mean of the others (``baseline="loo"``, RLOO); ``scale="none"`` drops the division
+    (Dr.GRPO, RLOO). std is the unbiased (ddof = 1) group standard deviation. A group of one gets 0.
+    With either baseline the advantages of a group sum to zero.
+
+    Args:
+      outcomes: [B] trajectory returns R_b (e.g. :func:`mpo_jax.batch.trajectory_sums`).
+      group_ids: [B] int; equal ids share a group (any integers, not necessarily contiguous).
+
+    Returns:
+      [B] advantages (broadcast to tokens with :func:`mpo_jax.batch.broadcast_trajectory_values`).
+
+    Example:
+      >>> group_advantages([1.0, 0.0, 1.0, 0.0], [7, 7, 3, 3], scale="none").tolist()
+      [0.5, -0.5, 0.5, -0.5]
+    """
+    x = jnp.asarray(outcomes, float_dtype(outcomes))
+    ids = jnp.asarray(group_ids)
+    return _grouped_center_scale(x, [ids], jnp.ones(x.shape, bool), baseline, scale, eps)
+
+
+def gigpo_advantages(
+    step_rewards: ArrayLike,
+    step_keys: ArrayLike,
+    step_mask: ArrayLike,
+    group_ids: ArrayLike,
+    *,
+    gamma: float = 0.95,
+    omega: float = 1.0,
+    scale: Literal["std", "none"] = "std",
+    eps: float = 1e-6,
+) -> jax.Array:
+    """GiGPO per-turn advantages: episode groups plus step groups of identical states.
+
+    Episode part: ``A_E(b)`` = :func:`group_advantages` of ``R_b = Σ_k r_{b,k}`` by ``group_ids``.
+    Step part: the discounted return from turn k, ``G_{b,k} = Σ_{j>=k} γ^{j-k} r_{b,j}``, normalised
+    within its step group: turns (b, k) of the same prompt group whose state keys are equal.
+    ``A_{b,k} = A_E(b) + ω A_S(b, k)`` (Feng et al. 2025, arXiv:2505.10978).
+
+    Args:
+      step_rewards: [B, K] per-turn rewards (the outcome on the last turn).
+      step_keys: [B, K] int, a hash of the environment state each turn acted in.
+      step_mask: [B, K] bool, True on the turns that exist.
+      group_ids: [B] int prompt groups.
+
+    Returns:
+      [B, K] per-turn advantages, 0 where ``step_mask`` is False (broadcast to tokens with
+      :func:`mpo_jax.batch.broadcast_turn_values`).
+    """
+    dtype = float_dtype(step_rewards)
+    mask = jnp.asarray(step_mask, bool)
+    r = jnp.where(mask, jnp.asarray(step_rewards, dtype), 0)
+    ids = jnp.asarray(group_ids)
+    b, k = r.shape
+    episode = group_advantages(jnp.sum(r, axis=-1), ids, scale=scale, eps=eps)
+    returns = reverse_linear_scan(r, jnp.where(mask, gamma, 1).astype(dtype), axis=-1)
+    flat_ids = jnp.broadcast_to(ids[:, None], (b, k)).reshape(-1)
+    keys = jnp.asarray(step_keys).reshape(-1)
+    step = _grouped_center_scale(
+        returns.reshape(-1), [flat_ids, keys], mask.reshape(-1), "mean", scale, eps
+    ).reshape(b, k)
+    return jnp.where(mask, episode[:, None] + omega * step, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# TRACE: turn credit from a frozen reference model's belief in the gold answer
+# ----------------------------------------------------------------------------------------------
+
+
+def trace_turn_credit(
+    answer_logprobs: ArrayLike,
+    boundary_mask: ArrayLike,
+    *,
+    eps: float = 0.1,
+    horizon: int = 3,
+    gamma: float = 0.8,
+    normalize: bool = True,
+) -> jax.Array:
+    """TRACE's turn credit: how much each turn moved the reference model toward the gold answer.
+
+    With ``ℓ̄_k`` the reference's mean per-token log-prob of the gold answer at boundary k
+    (k = 0 is the prompt): ``d_k = -ℓ̄_k + ε``, ``V_k = log(d_0 / d_k)``,
+    ``δ_k = V_{k+1} - V_k = log(d_k / d_{k+1})`` (so the deltas telescope), and
+
+        c_k = Σ_{j<H} γ^j δ_{k+j}   over the deltas that exist,
+
+    divided by the sum of the same weights when ``normalize``. ``d_k`` uses ``max(-ℓ̄_k, 0)`` so a
+    rounding-positive log-prob cannot reach a log of a non-positive number.
+
+    Args:
+      answer_logprobs: [B, M] mean log-probs ℓ̄_k (<= 0) at each boundary.
+      boundary_mask: [B, M] bool prefix mask of the boundaries that exist.
+      horizon: H, a Python int >= 1.
+
+    Returns:
+      [B, M-1]: entry k is the credit of turn k (the move from boundary k to k+1); 0 where
+      boundary k+1 does not exist.
+    """
+    if not isinstance(horizon, int) or horizon < 1:
+        raise ValueError(f"horizon: must be a Python int >= 1, got {horizon!r}")
+    dtype = float_dtype(answer_logprobs)
+    mask = jnp.asarray(boundary_mask, bool)
+    lp = jnp.where(mask, jnp.asarray(answer_logprobs, dtype), 0)
+    log_d = jnp.log(jnp.maximum(-lp, 0) + eps)
+    delta = log_d[:, :-1] - log_d[:, 1:]
+    exists = mask[:, :-1] & mask[:, 1:]
+    delta = jnp.where(exists, delta, 0)
+    m = delta.shape[-1]
+    credit = jnp.zeros_like(delta)
+    weight = jnp.zeros_like(delta)
+    for j in range(min(horizon, m)):
+        shifted = jnp.pad(delta[:, j:], ((0, 0), (0, j)))
+        present = jnp.pad(exists[:, j:], ((0, 0), (0, j))).astype(dtype)
+        credit = credit + gamma**j * shifted
+        weight = weight + gamma**j * present
+    if normalize:
+        credit = credit / jnp.where(exists, weight, 1)
+    return jnp.where(exists, credit, 0)
+
+
+_TERMINAL_FILLS = ("zero", "last")
+
+
+def trace_turn_advantages(
+    outcome_advantages: ArrayLike,
+    turn_credit: ArrayLike,
+    boundary_mask: ArrayLike,
+    loss_mask: ArrayLike,
+    turn_ids: ArrayLike,
+    *,
+    alpha_out: float = 1.0,
+    alpha_turn: float = 0.2,
+    terminal_fill: Literal["zero", "last"] = "zero",
+) -> jax.Array:
+    """TRACE token advantages: ``α_out · A_out(b) + α_turn · c_{turn(t)}`` on action tokens.
+
+    Turn credit is not group-normalised. Turn k reads ``c_k`` from :func:`trace_turn_credit`.
+    Turns with no credit entry (typically the final answer turn, which crosses no tool-call
+    boundary) get ``terminal_fill``: ``"zero"`` (only the outcome term) or ``"last"`` (repeat the
+    last available turn credit). The paper's readings of its terminal fill differ, hence the option.
+
+    Args:
+      outcome_advantages: [B] group outcome advantages (:func:`group_advantages`).
+      turn_credit: [B, M-1] from :func:`trace_turn_credit`.
+      boundary_mask: [B, M] the same prefix mask given to :func:`trace_turn_credit`.
+
+    Returns:
+      [B, T] advantages, 0 off ``loss_mask``.
+    """
+    if terminal_fill not in _TERMINAL_FILLS:
+        raise ValueError(
+            f"terminal_fill: unknown fill {terminal_fill!r}; choose one of {_TERMINAL_FILLS}"
+        )
+    dtype = float_dtype(outcome_advantages, turn_credit)
+    credit = jnp.asarray(turn_credit, dtype)
+    mask = jnp.asarray(loss_mask, bool)
+    ids = jnp.asarray(turn_ids)
+    n_credit = jnp.maximum(jnp.sum(jnp.asarray(boundary_mask, jnp.int32), axis=-1) - 1, 0)  # [B]
+    per_token = broadcast_turn_values(credit, mask, ids)
+    if terminal_fill == "last" and credit.shape[-1] > 0:
+        last = jnp.take_along_axis(credit, jnp.maximum(n_credit - 1, 0)[:, None], axis=-1)
+        last = jnp.where(n_credit[:, None] > 0, last, 0)
+        per_token = jnp.where(ids < n_credit[:, None], per_token, last)
+    else:
+        per_token = jnp.where(ids < n_credit[:, None], per_token, 0)
+    out = alpha_out * jnp.asarray(outcome_advantages, dtype)[:, None] + alpha_turn * per_token
+    return jnp.where(mask, out, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Whitening
+# ----------------------------------------------------------------------------------------------
+
+
+def masked_whiten(
+    x: ArrayLike, mask: ArrayLike, *, shift_mean: bool = True, eps: float = 1e-8
+) -> jax.Array:
+    """``(x - mean) / sqrt(var + ε)`` over the masked entries of the whole batch.
+
+    var is the unbiased (ddof = 1) variance of the masked entries, as in verl and TRL. With
+    ``shift_mean=False`` the mean is added back (scale only). Off-mask entries are 0.
+    """
+    dtype = float_dtype(x)
+    x = jnp.asarray(x, dtype)
+    m = jnp.asarray(mask, bool)
+    n = jnp.sum(m)
+    mean = jnp.sum(jnp.where(m, x, 0)) / jnp.maximum(n, 1)
+    var = jnp.sum(jnp.where(m, (x - mean) ** 2, 0)) / jnp.maximum(n - 1, 1)
+    out = (x - mean) * jax.lax.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return jnp.where(m, out, 0)

@@ -1,0 +1,389 @@
+"""The padded turn-segment layout (DESIGN.md §2), its host-side validation, and segment helpers.
+
+A batch holds B trajectories padded to T tokens. ``loss_mask`` marks the tokens the policy sampled;
+``turn_ids`` numbers the assistant turns 0, 1, ..., K_b - 1 on those tokens and is -1 elsewhere.
+Turn boundaries come from ``turn_ids`` only, never from reward positions or runs of the mask, so an
+assistant turn may even contain non-sampled tokens (template tokens) without splitting.
+
+The segment helpers work in a time-major [T, B] layout internally: the estimators in
+``advantages`` transpose once, run every recursion over the leading axis and transpose back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mpo_jax.scan import ScanMethod, reverse_scans_time_major
+
+__all__ = [
+    "TurnBatch",
+    "validate",
+    "turn_start_mask",
+    "turn_end_mask",
+    "turn_sum",
+    "turn_mean",
+    "num_turns",
+    "broadcast_turn_values",
+    "place_on_turn_ends",
+    "broadcast_trajectory_values",
+    "trajectory_sums",
+]
+
+
+@struct.dataclass
+class TurnBatch:
+    """B trajectories padded to T tokens (DESIGN.md §2). Optional fields may be ``None``.
+
+    Attributes:
+      tokens: [B, T] int token ids.
+      loss_mask: [B, T] bool, True on tokens the policy sampled.
+      turn_ids: [B, T] int, the assistant turn index on ``loss_mask`` tokens, -1 elsewhere.
+      rewards: [B, T] float; the outcome on the last ``loss_mask`` token, dense turn rewards on
+        each turn's last token, zero elsewhere.
+      group_ids: [B] int, rollouts of the same prompt share an id.
+      truncated: [B] bool, the episode was cut rather than finished.
+      values: [B, T] float critic values of the state before each token.
+      logp, old_logp, ref_logp: [B, T] float log-probs under current, rollout, reference policy.
+      bootstrap_values: [B] float, the critic's value after the last token (used when truncated).
+      boundary_mask: [B, M] bool, a prefix mask over tool-call boundaries (TRACE; 0 is the prompt).
+      answer_logprobs: [B, M] float, the reference model's mean per-token log-prob of the gold
+        answer at each boundary (TRACE).
+      step_keys: [B, K] int, a per-turn environment state key (GiGPO), -1 where no turn.
+    """
+
+    tokens: Any
+    loss_mask: Any
+    turn_ids: Any
+    rewards: Any
+    group_ids: Any
+    truncated: Any
+    values: Any = None
+    logp: Any = None
+    old_logp: Any = None
+    ref_logp: Any = None
+    bootstrap_values: Any = None
+    boundary_mask: Any = None
+    answer_logprobs: Any = None
+    step_keys: Any = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation (host side, NumPy): every rule has its own message naming field, row and rule.
+# ----------------------------------------------------------------------------------------------
+
+_TOKEN_FLOAT_FIELDS = ("rewards", "values", "logp", "old_logp", "ref_logp")
+
+
+def _first_bad_row(bad: np.ndarray) -> tuple[int, int]:
+    """(row, column) of the first True in a 2-D boolean array."""
+    rows, cols = np.nonzero(bad)
+    return int(rows[0]), int(cols[0])
+
+
+def _check_dtype(name: str, x: np.ndarray, kind: str) -> None:
+    kinds = {"int": "iu", "bool": "b", "float": "f"}[kind]
+    if x.dtype.kind not in kinds:
+        raise ValueError(f"{name}: dtype {x.dtype} is not {kind}")
+
+
+def _check_shape(name: str, x: np.ndarray, shape: tuple[int, ...]) -> None:
+    if x.shape != shape:
+        raise ValueError(f"{name}: shape {x.shape}, expected {shape}")
+
+
+def _check_finite(name: str, x: np.ndarray) -> None:
+    bad = ~np.isfinite(x)
+    if bad.any():
+        if x.ndim == 1:
+            raise ValueError(f"{name}[{int(np.nonzero(bad)[0][0])}]: NaN or inf")
+        row, col = _first_bad_row(bad.reshape(x.shape[0], -1))
+        raise ValueError(f"{name}[{row}]: NaN or inf at position {col}")
+
+
+def validate(batch: TurnBatch, *, vocab_size: int | None = None) -> None:
+    """Checks a batch on the host; raises ``ValueError`` naming the field, the row and the rule.
+
+    Rules: shapes ([B, T] token fields, [B] per-trajectory fields, [B, M] boundary fields, [B, K]
+    step keys); dtypes (int ids, bool masks, float numbers); no NaN or inf in any float field;
+    token ids inside the vocabulary (when ``vocab_size`` is given); ``turn_ids`` is -1 exactly off
+    ``loss_mask``, starts at 0 and rises by 0 or 1 from one action token to the next; rewards are
+    zero off ``loss_mask``; ``boundary_mask`` is a prefix mask (True, ..., True, False, ...);
+    answer log-probs are <= 0 on boundaries; step keys exist for exactly the turns the row has.
+    """
+    f = {k: (None if v is None else np.asarray(v)) for k, v in vars(batch).items()}
+    tokens = f["tokens"]
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens: rank {tokens.ndim}, expected [B, T]")
+    b, t = tokens.shape
+    _check_dtype("tokens", tokens, "int")
+    for name, kind in (("loss_mask", "bool"), ("turn_ids", "int")):
+        _check_shape(name, f[name], (b, t))
+        _check_dtype(name, f[name], kind)
+    for name in _TOKEN_FLOAT_FIELDS:
+        if f[name] is not None:
+            _check_shape(name, f[name], (b, t))
+            _check_dtype(name, f[name], "float")
+            _check_finite(name, f[name])
+    for name, kind in (("group_ids", "int"), ("truncated", "bool")):
+        _check_shape(name, f[name], (b,))
+        _check_dtype(name, f[name], kind)
+    if f["bootstrap_values"] is not None:
+        _check_shape("bootstrap_values", f["bootstrap_values"], (b,))
+        _check_dtype("bootstrap_values", f["bootstrap_values"], "float")
+        _check_finite("bootstrap_values", f["bootstrap_values"])
+
+    if vocab_size is not None:
+        bad = (tokens < 0) | (tokens >= vocab_size)
+        if bad.any():
+            row, col = _first_bad_row(bad)
+            raise ValueError(
+                f"tokens[{row}]: id {int(tokens[row, col])} at position {col} "
+                f"is outside the vocabulary [0, {vocab_size})"
+            )
+
+    mask, tid = f["loss_mask"], f["turn_ids"]
+    off = ~mask & (tid != -1)
+    if off.any():
+        row, col = _first_bad_row(off)
+        raise ValueError(
+            f"turn_ids[{row}]: turn {int(tid[row, col])} at position {col} is on a non-action "
+            "token (turn ids must be -1 where loss_mask is False)"
+        )
+    on = mask & (tid < 0)
+    if on.any():
+        row, col = _first_bad_row(on)
+        raise ValueError(
+            f"turn_ids[{row}]: {int(tid[row, col])} at position {col} is on a loss_mask token "
+            "(action tokens need a turn id >= 0)"
+        )
+    for row in range(b):
+        cols = np.nonzero(mask[row])[0]
+        if cols.size == 0:
+            continue
+        ids = tid[row, cols].astype(np.int64)
+        if ids[0] != 0:
+            raise ValueError(
+                f"turn_ids[{row}]: the first action token (position {int(cols[0])}) has turn "
+                f"{int(ids[0])}, expected 0"
+            )
+        steps = np.diff(ids)
+        bad = np.nonzero((steps < 0) | (steps > 1))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"turn_ids[{row}]: turn {int(ids[i + 1])} follows turn {int(ids[i])} at position "
+                f"{int(cols[i + 1])} (turn ids must rise by 0 or 1 along the action tokens)"
+            )
+
+    stray = ~mask & (f["rewards"] != 0)
+    if stray.any():
+        row, col = _first_bad_row(stray)
+        raise ValueError(
+            f"rewards[{row}]: reward {float(f['rewards'][row, col])} at position {col} is on a "
+            "non-action token (rewards belong on loss_mask tokens)"
+        )
+
+    bmask = f["boundary_mask"]
+    if bmask is not None:
+        if bmask.ndim != 2 or bmask.shape[0] != b:
+            raise ValueError(f"boundary_mask: shape {bmask.shape}, expected [B={b}, M]")
+        _check_dtype("boundary_mask", bmask, "bool")
+        grows = bmask[:, 1:] & ~bmask[:, :-1]
+        if grows.any():
+            row, col = _first_bad_row(grows)
+            raise ValueError(
+                f"boundary_mask[{row}]: boundary {col + 1} is set after an unset boundary {col} "
+                "(the mask must be a prefix: True, ..., True, False, ...)"
+            )
+        lp = f["answer_logprobs"]
+        if lp is not None:
+            _check_shape("answer_logprobs", lp, bmask.shape)
+            _check_dtype("answer_logprobs", lp, "float")
+            _check_finite("answer_logprobs", lp)
+            pos = bmask & (lp > 0)
+            if pos.any():
+                row, col = _first_bad_row(pos)
+                raise ValueError(
+                    f"answer_logprobs[{row}]: {float(lp[row, col])} at boundary {col} is positive "
+                    "(a mean log-probability is <= 0)"
+                )
+    elif f["answer_logprobs"] is not None:
+        raise ValueError("answer_logprobs: given without boundary_mask")
+
+    keys = f["step_keys"]
+    if keys is not None:
+        if keys.ndim != 2 or keys.shape[0] != b:
+            raise ValueError(f"step_keys: shape {keys.shape}, expected [B={b}, K]")
+        _check_dtype("step_keys", keys, "int")
+        turns = np.where(mask, tid, -1).max(axis=1) + 1
+        if (turns > keys.shape[1]).any():
+            row = int(np.nonzero(turns > keys.shape[1])[0][0])
+            raise ValueError(
+                f"step_keys[{row}]: the row has {int(turns[row])} turns but step_keys has room for "
+                f"{keys.shape[1]}"
+            )
+        has_turn = np.arange(keys.shape[1])[None, :] < turns[:, None]
+        missing = has_turn & (keys < 0)
+        if missing.any():
+            row, col = _first_bad_row(missing)
+            raise ValueError(f"step_keys[{row}]: turn {col} has no state key (got a negative key)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Segment helpers. Time-major internals first, [B, T] public wrappers below.
+# ----------------------------------------------------------------------------------------------
+
+
+class TurnStructure(NamedTuple):
+    """Where turns start and end, time-major [T, B] boolean arrays."""
+
+    mask: jax.Array
+    start: jax.Array
+    end: jax.Array
+
+
+def turn_structure_time_major(loss_mask_tm: jax.Array, turn_ids_tm: jax.Array) -> TurnStructure:
+    """First and last action token of each turn, from ``turn_ids`` alone ([T, B] inputs).
+
+    A token starts a turn when its id exceeds every id before it; it ends a turn when its id is
+    below every action id after it. Non-decreasing turn ids make both exact.
+    """
+    mask = loss_mask_tm.astype(bool)
+    ids = jnp.where(mask, turn_ids_tm, -1).astype(jnp.int32)
+    big = jnp.iinfo(jnp.int32).max
+    before = jax.lax.cummax(ids, axis=0)
+    before = jnp.concatenate([jnp.full_like(before[:1], -1), before[:-1]], axis=0)
+    after = jax.lax.cummin(jnp.where(mask, ids, big), axis=0, reverse=True)
+    after = jnp.concatenate([after[1:], jnp.full_like(after[:1], big)], axis=0)
+    return TurnStructure(mask=mask, start=mask & (ids > before), end=mask & (ids < after))
+
+
+def turn_sum_time_major(
+    x_tm: jax.Array, turns: TurnStructure, *, method: ScanMethod = "sequential"
+) -> jax.Array:
+    """Σ of ``x`` over each turn's action tokens, broadcast back to those tokens ([T, B]).
+
+    A reverse sum cut at turn ends leaves each turn's total on its first token; a forward fill cut
+    at turn starts spreads it over the turn. Off-turn positions hold 0.
+    """
+    zero = jnp.zeros(x_tm.shape[1:], x_tm.dtype)
+    end, start = turns.end.astype(x_tm.dtype), turns.start.astype(x_tm.dtype)
+    (partial,) = reverse_scans_time_major(
+        [(jnp.where(turns.mask, x_tm, 0), 1 - end, zero)], method=method
+    )
+    (filled,) = reverse_scans_time_major(
+        [(start * partial, 1 - start, zero)], method=method, forward=True
+    )
+    return jnp.where(turns.mask, filled, 0)
+
+
+def float_dtype(*arrays: Any) -> jnp.dtype:
+    """The float dtype the estimators compute in: at least float32, float64 when given and x64."""
+    dtypes = [jnp.asarray(a).dtype for a in arrays if a is not None]
+    dtype = jnp.result_type(*dtypes, jnp.float32)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        dtype = jnp.float32
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+def _to_time_major(x: Any, dtype: Any = None) -> jax.Array:
+    return jnp.asarray(x, dtype).T
+
+
+def turn_start_mask(loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike) -> jax.Array:
+    """[B, T] bool: True on the first action token of every turn."""
+    s = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
+    return s.start.T
+
+
+def turn_end_mask(loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike) -> jax.Array:
+    """[B, T] bool: True on the last action token of every turn."""
+    s = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
+    return s.end.T
+
+
+def turn_sum(
+    x: jax.typing.ArrayLike,
+    loss_mask: jax.typing.ArrayLike,
+    turn_ids: jax.typing.ArrayLike,
+    *,
+    method: ScanMethod = "sequential",
+) -> jax.Array:
+    """[B, T]: ``Σ_{u ∈ S_k} x_u`` on every action token t of turn k (S_k: the turn's action
+    tokens); 0 off ``loss_mask``. Differentiable in ``x``."""
+    dtype = float_dtype(x)
+    s = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
+    return turn_sum_time_major(_to_time_major(x, dtype), s, method=method).T
+
+
+def turn_mean(
+    x: jax.typing.ArrayLike,
+    loss_mask: jax.typing.ArrayLike,
+    turn_ids: jax.typing.ArrayLike,
+    *,
+    method: ScanMethod = "sequential",
+) -> jax.Array:
+    """[B, T]: ``(1/|S_k|) Σ_{u ∈ S_k} x_u`` on every action token of turn k; 0 off the mask."""
+    dtype = float_dtype(x)
+    s = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
+    total, count = (
+        turn_sum_time_major(_to_time_major(x, dtype), s, method=method),
+        turn_sum_time_major(s.mask.astype(dtype), s, method=method),
+    )
+    return jnp.where(s.mask, total / jnp.maximum(count, 1), 0).T
+
+
+def num_turns(loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike) -> jax.Array:
+    """[B] int32: K_b, the number of assistant turns of each trajectory (0 for padding rows)."""
+    ids = jnp.where(jnp.asarray(loss_mask, bool), jnp.asarray(turn_ids), -1)
+    return (jnp.max(ids, axis=-1, initial=-1) + 1).astype(jnp.int32)
+
+
+def broadcast_turn_values(
+    per_turn: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike
+) -> jax.Array:
+    """[B, T]: ``per_turn[b, turn_ids[b, t]]`` on action tokens, 0 elsewhere.
+
+    Args:
+      per_turn: [B, K] values, one per turn (turns at index >= K read 0).
+    """
+    per_turn = jnp.asarray(per_turn)
+    mask = jnp.asarray(loss_mask, bool)
+    ids = jnp.asarray(turn_ids)
+    k = per_turn.shape[-1]
+    if k == 0:
+        return jnp.zeros(mask.shape, per_turn.dtype)
+    inside = mask & (ids >= 0) & (ids < k)
+    picked = jnp.take_along_axis(per_turn, jnp.clip(ids, 0, k - 1), axis=-1)
+    return jnp.where(inside, picked, 0)
+
+
+def place_on_turn_ends(
+    per_turn: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike
+) -> jax.Array:
+    """[B, T]: ``per_turn[b, k]`` on the last action token of turn k, 0 elsewhere.
+
+    The layout for dense turn rewards (DESIGN.md §2): e.g. TRACE's turn credit fed to MAE.
+    """
+    ends = turn_end_mask(loss_mask, turn_ids)
+    return jnp.where(ends, broadcast_turn_values(per_turn, loss_mask, turn_ids), 0)
+
+
+def broadcast_trajectory_values(
+    per_trajectory: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike
+) -> jax.Array:
+    """[B, T]: ``per_trajectory[b]`` on every action token of row b, 0 elsewhere."""
+    mask = jnp.asarray(loss_mask, bool)
+    x = jnp.asarray(per_trajectory)
+    return jnp.where(mask, x[:, None], 0).astype(x.dtype)
+
+
+def trajectory_sums(x: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike) -> jax.Array:
+    """[B]: ``Σ_t x_t`` over each row's action tokens (e.g. the outcome R_b from ``rewards``)."""
+    x = jnp.asarray(x, float_dtype(x))
+    return jnp.sum(jnp.where(jnp.asarray(loss_mask, bool), x, 0), axis=-1)

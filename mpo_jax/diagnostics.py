@@ -1,0 +1,76 @@
+"""Diagnostics the trainer logs every step: how much of the critic's variance lives between turns,
+and how well the critic explains the returns.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mpo_jax.batch import float_dtype, turn_mean
+
+__all__ = ["turn_variance_fraction", "median_turn_variance_fraction", "explained_variance"]
+
+ArrayLike = jax.typing.ArrayLike
+
+
+def turn_variance_fraction(
+    values: ArrayLike, loss_mask: ArrayLike, turn_ids: ArrayLike
+) -> tuple[jax.Array, jax.Array]:
+    """Share of each trajectory's critic-value variance that the turn means explain.
+
+    Over a row's action tokens t (N of them) with turn means ``μ_k`` and row mean ``μ``:
+
+        fraction = Σ_k |S_k| (μ_k - μ)² / Σ_t (V_t - μ)²        (between-turn / total)
+
+    token-weighted, in [0, 1]. The MPO paper reports a median of 89.5% for a search agent's critic.
+
+    Returns:
+      (fraction [B], defined [B] bool). A row with no action tokens or constant values has no
+      variance to split: ``defined`` is False and ``fraction`` is 0 there.
+    """
+    dtype = float_dtype(values)
+    m = jnp.asarray(loss_mask, bool)
+    v = jnp.where(m, jnp.asarray(values, dtype), 0)
+    n = jnp.sum(m, axis=-1)
+    mu = jnp.sum(v, axis=-1) / jnp.maximum(n, 1)
+    total = jnp.sum(jnp.where(m, (v - mu[:, None]) ** 2, 0), axis=-1)
+    mu_turn = turn_mean(v, m, turn_ids)
+    between = jnp.sum(jnp.where(m, (mu_turn - mu[:, None]) ** 2, 0), axis=-1)
+    tiny = jnp.finfo(dtype).tiny * 1e3
+    defined = total > tiny
+    frac = jnp.where(defined, between / jnp.where(defined, total, 1), 0)
+    return jnp.clip(frac, 0, 1), defined
+
+
+def median_turn_variance_fraction(
+    values: ArrayLike, loss_mask: ArrayLike, turn_ids: ArrayLike
+) -> jax.Array:
+    """The median of :func:`turn_variance_fraction` over rows where it is defined (0 if none)."""
+    frac, defined = turn_variance_fraction(values, loss_mask, turn_ids)
+    n = jnp.sum(defined)
+    ordered = jnp.sort(jnp.where(defined, frac, jnp.inf))
+    lo = ordered[jnp.maximum((n - 1) // 2, 0)]
+    hi = ordered[jnp.maximum(n // 2, 0)]
+    return jnp.where(n > 0, 0.5 * (lo + hi), 0.0)
+
+
+def explained_variance(values: ArrayLike, returns: ArrayLike, mask: ArrayLike) -> jax.Array:
+    """``1 - Var[returns - values] / Var[returns]`` over the masked entries (scalar).
+
+    1 is a perfect critic, 0 no better than a constant, negative worse. Returns 0 when the returns
+    have no variance (nothing to explain).
+    """
+    dtype = float_dtype(values, returns)
+    m = jnp.asarray(mask, bool)
+    v = jnp.asarray(values, dtype)
+    r = jnp.asarray(returns, dtype)
+    n = jnp.maximum(jnp.sum(m), 1)
+
+    def var(x):
+        mean = jnp.sum(jnp.where(m, x, 0)) / n
+        return jnp.sum(jnp.where(m, (x - mean) ** 2, 0)) / n
+
+    var_r = var(r)
+    ok = var_r > jnp.finfo(dtype).tiny * 1e3
+    return jnp.where(ok, 1 - var(r - v) / jnp.where(ok, var_r, 1), 0.0)
