@@ -1,0 +1,57 @@
+"""Turn-variance fraction and explained variance."""
+
+from __future__ import annotations
+
+import hypothesis
+import hypothesis.strategies as st
+import numpy as np
+
+from mpo_jax import diagnostics as D
+from tests.batches import random_batch
+
+M = np.array([[0, 1, 1, 0, 1, 1]], bool)
+T = np.array([[-1, 0, 0, -1, 1, 1]], np.int32)
+
+
+def test_values_constant_within_turns_are_all_between_turn_variance():
+    frac, ok = D.turn_variance_fraction(np.array([[9.0, 1, 1, 9, 3, 3]]), M, T)
+    np.testing.assert_allclose(frac, [1.0], atol=1e-6)
+    assert ok.tolist() == [True]
+
+
+def test_hand_computed_fraction():
+    # Values [0, 2 | 1, 3]: mean 1.5; total Σ(v-μ)² = 2.25+.25+.25+2.25 = 5;
+    # turn means 1 and 2: between = 2*(.25) + 2*(.25) = 1 -> fraction .2.
+    frac, _ = D.turn_variance_fraction(np.array([[0.0, 0, 2, 0, 1, 3]]), M, T)
+    np.testing.assert_allclose(frac, [0.2], atol=1e-6)
+
+
+def test_undefined_rows_are_flagged_not_nan():
+    values = np.array([[0.0, 5, 5, 0, 5, 5], [1.0, 2, 3, 4, 5, 6]])
+    mask = np.array([[0, 1, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0]], bool)
+    tid = np.where(mask, np.array([[-1, 0, 0, -1, 1, 1]] * 2), -1)
+    frac, ok = D.turn_variance_fraction(values, mask, tid)
+    assert ok.tolist() == [False, False]
+    assert np.all(np.asarray(frac) == 0)
+    assert float(D.median_turn_variance_fraction(values, mask, tid)) == 0.0
+
+
+@hypothesis.given(seed=st.integers(0, 2**31 - 1))
+def test_fraction_is_in_unit_interval_and_median_matches_numpy(seed):
+    b = random_batch(np.random.default_rng(seed), batch=9)
+    frac, ok = D.turn_variance_fraction(b.values, b.loss_mask, b.turn_ids)
+    frac, ok = np.asarray(frac), np.asarray(ok)
+    assert np.all((frac >= 0) & (frac <= 1))
+    expected = float(np.median(frac[ok])) if ok.any() else 0.0
+    got = float(D.median_turn_variance_fraction(b.values, b.loss_mask, b.turn_ids))
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+
+
+def test_explained_variance():
+    ret = np.array([1.0, 2.0, 3.0, 4.0])
+    m = np.ones(4, bool)
+    np.testing.assert_allclose(D.explained_variance(ret, ret, m), 1.0)
+    np.testing.assert_allclose(D.explained_variance(np.full(4, 2.5), ret, m), 0.0, atol=1e-6)
+    # Residuals 2 (R - mean): four times the return variance -> 1 - 4 = -3.
+    np.testing.assert_allclose(D.explained_variance(ret - (ret - 2.5) * 2, ret, m), -3, atol=1e-5)
+    assert float(D.explained_variance(ret, np.ones(4), m)) == 0.0
