@@ -23,8 +23,9 @@ from mpo_jax.batch import (
     TurnStructure,
     broadcast_turn_values,
     float_dtype,
+    neighbour_action_values_time_major,
     turn_structure_time_major,
-    turn_sum_time_major,
+    turn_sums_time_major,
 )
 from mpo_jax.scan import ScanMethod, reverse_linear_scan, reverse_scans_time_major
 
@@ -48,7 +49,7 @@ ArrayLike = jax.typing.ArrayLike
 # ----------------------------------------------------------------------------------------------
 
 
-def _prepare(rewards, values, loss_mask, turn_ids=None, bootstrap_value=None):
+def _prepare(rewards, values, loss_mask, bootstrap_value):
     """Time-major float arrays with off-mask entries zeroed, and the bootstrap carry [B]."""
     dtype = float_dtype(rewards, values)
     mask = jnp.asarray(loss_mask, bool).T
@@ -59,33 +60,16 @@ def _prepare(rewards, values, loss_mask, turn_ids=None, bootstrap_value=None):
         if bootstrap_value is None
         else jnp.broadcast_to(jnp.asarray(bootstrap_value, dtype), mask.shape[1:])
     )
-    if turn_ids is None:
-        turns = None
-    else:
-        turns = turn_structure_time_major(mask, jnp.asarray(turn_ids).T)
-    return r, v, mask, turns, boot
+    return r, v, mask, boot
 
 
-def _next_action_values(v, mask, boot, method):
-    """V at the next action token after t (``boot`` after the last one), time-major.
-
-    ``u_t = m_{t+1} V_{t+1} + (1 - m_{t+1}) u_{t+1}``: the recursion passes through observation
-    tokens, so the "next" value skips them (what verl and tunix do for multi-turn PPO).
-    """
-    m = mask.astype(v.dtype)
-    a = jnp.concatenate([(m * v)[1:], jnp.zeros_like(v[:1])], axis=0)
-    c = jnp.concatenate([(1 - m)[1:], jnp.ones_like(v[:1])], axis=0)
-    (u,) = reverse_scans_time_major([(a, c, boot)], method=method)
-    return u
-
-
-def _turn_parts(r, v, mask, turns: TurnStructure, v_next, gamma, lam, method):
-    """Turn GAE in token space: (A_k on every token of turn k, V_{s_k} on every token of turn k).
+def _turn_delta(r, v, turns: TurnStructure, v_next, gamma, lam, method):
+    """Turn GAE in token space: (δ_k on turn ends, its recursion coefficient, V_{s_k} per token).
 
     A forward pass fills V_{s_k} and accumulates R_k = Σ_{t∈S_k} r_t up to each turn's end; at the
-    end token δ_k = R_k + γ V_{s_{k+1}} - V_{s_k} (``v_next`` there is V_{s_{k+1}}); the reverse
-    recursion A = δ + γλ A' acts only at turn ends and passes the carry through everything else,
-    so every token of turn k reads A_k.
+    end token δ_k = R_k + γ V_{s_{k+1}} - V_{s_k} (``v_next`` there is V_{s_{k+1}}). The reverse
+    recursion A = δ + γλ A' then acts only at turn ends and passes the carry through everything
+    else, so every token of turn k reads A_k.
     """
     start = turns.start.astype(v.dtype)
     zero = jnp.zeros(v.shape[1:], v.dtype)
@@ -139,8 +123,8 @@ def token_gae(
       >>> adv.tolist()
       [[1.0, 0.0, 1.0]]
     """
-    r, v, mask, _, boot = _prepare(rewards, values, loss_mask, None, bootstrap_value)
-    v_next = _next_action_values(v, mask, boot, method)
+    r, v, mask, boot = _prepare(rewards, values, loss_mask, bootstrap_value)
+    (v_next,) = neighbour_action_values_time_major([v], mask, [boot], reverse=True, method=method)
     delta = jnp.where(mask, r + gamma * v_next - v, 0)
     coeff = jnp.where(mask, gamma * lam, 1).astype(v.dtype)
     (adv,) = reverse_scans_time_major([(delta, coeff, jnp.zeros_like(boot))], method=method)
@@ -168,9 +152,11 @@ def turn_gae(
     Returns:
       (advantages, returns), each [B, T], 0 off ``loss_mask``.
     """
-    r, v, mask, turns, boot = _prepare(rewards, values, loss_mask, turn_ids, bootstrap_value)
-    v_next = _next_action_values(v, mask, boot, method)
-    delta, coeff, v_start = _turn_parts(r, v, mask, turns, v_next, gamma, lam, method)
+    r, v, mask, boot = _prepare(rewards, values, loss_mask, bootstrap_value)
+    turns, v_next = turn_structure_time_major(
+        mask, jnp.asarray(turn_ids).T, next_values=v, bootstrap=boot, method=method
+    )
+    delta, coeff, v_start = _turn_delta(r, v, turns, v_next, gamma, lam, method)
     (adv,) = reverse_scans_time_major([(delta, coeff, jnp.zeros_like(boot))], method=method)
     adv = jnp.where(mask, adv, 0)
     return _out(adv, jnp.where(mask, adv + v_start, 0))
@@ -207,9 +193,11 @@ def multiscale_advantages(
       advantages [B, T], 0 off ``loss_mask``. (The critic's targets stay PPO's: use
       :func:`token_gae`'s returns.)
     """
-    r, v, mask, turns, boot = _prepare(rewards, values, loss_mask, turn_ids, bootstrap_value)
-    v_next = _next_action_values(v, mask, boot, method)
-    delta, coeff, _ = _turn_parts(r, v, mask, turns, v_next, gamma_turn, lam_turn, method)
+    r, v, mask, boot = _prepare(rewards, values, loss_mask, bootstrap_value)
+    turns, v_next = turn_structure_time_major(
+        mask, jnp.asarray(turn_ids).T, next_values=v, bootstrap=boot, method=method
+    )
+    delta, coeff, _ = _turn_delta(r, v, turns, v_next, gamma_turn, lam_turn, method)
     zero = jnp.zeros_like(boot)
     if isinstance(beta, int | float) and beta == 0:
         (adv,) = reverse_scans_time_major([(delta, coeff, zero)], method=method)
@@ -220,8 +208,8 @@ def multiscale_advantages(
     adv_turn, trace = reverse_scans_time_major(
         [(delta, coeff, zero), (delta_tok, trace_coeff.astype(v.dtype), zero)], method=method
     )
-    count = turn_sum_time_major(mask.astype(v.dtype), turns, method=method)
-    trace_mean = turn_sum_time_major(trace, turns, method=method) / jnp.maximum(count, 1)
+    trace_sum, count = turn_sums_time_major([trace, mask.astype(v.dtype)], turns, method=method)
+    trace_mean = trace_sum / jnp.maximum(count, 1)
     adv = adv_turn + beta * (trace - trace_mean)
     return _out(jnp.where(mask, adv, 0))
 
@@ -247,12 +235,13 @@ def turn_log_ratio(
         raise ValueError(f"reduce: unknown reduction {reduce!r}; choose 'sum' or 'mean'")
     dtype = float_dtype(logp, old_logp)
     mask = jnp.asarray(loss_mask, bool).T
-    turns = turn_structure_time_major(mask, jnp.asarray(turn_ids).T)
+    turns, _ = turn_structure_time_major(mask, jnp.asarray(turn_ids).T, method=method)
     diff = jnp.where(mask, jnp.asarray(logp, dtype).T - jnp.asarray(old_logp, dtype).T, 0)
-    total = turn_sum_time_major(diff, turns, method=method)
     if reduce == "mean":
-        count = turn_sum_time_major(mask.astype(dtype), turns, method=method)
+        total, count = turn_sums_time_major([diff, mask.astype(dtype)], turns, method=method)
         total = total / jnp.maximum(count, 1)
+    else:
+        (total,) = turn_sums_time_major([diff], turns, method=method)
     return _out(total)
 
 

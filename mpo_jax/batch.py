@@ -247,39 +247,81 @@ class TurnStructure(NamedTuple):
     end: jax.Array
 
 
-def turn_structure_time_major(loss_mask_tm: jax.Array, turn_ids_tm: jax.Array) -> TurnStructure:
+def neighbour_action_values_time_major(
+    xs: list[jax.Array],
+    mask: jax.Array,
+    inits: list[jax.Array],
+    *,
+    reverse: bool,
+    method: ScanMethod = "sequential",
+) -> list[jax.Array]:
+    """For each x: its value at the nearest action token strictly after t (``reverse=True``) or
+    strictly before t (``reverse=False``); ``init`` where there is none. [T, B] in and out.
+
+    ``u_t = m_{t±1} x_{t±1} + (1 - m_{t±1}) u_{t±1}``: the recursion passes through observation
+    tokens, which is how every estimator here jumps over them. All xs share one loop.
+    """
+
+    def shifted(y, fill):
+        pad = jnp.full_like(y[:1], fill)
+        return jnp.concatenate([y[1:], pad] if reverse else [pad, y[:-1]], axis=0)
+
+    terms = []
+    for x, init in zip(xs, inits, strict=True):
+        m = mask.astype(x.dtype)
+        terms.append((shifted(jnp.where(mask, x, 0), 0), shifted(1 - m, 1), init))
+    return reverse_scans_time_major(terms, method=method, forward=not reverse)
+
+
+def turn_structure_time_major(
+    loss_mask_tm: jax.Array,
+    turn_ids_tm: jax.Array,
+    *,
+    next_values: jax.Array | None = None,
+    bootstrap: jax.Array | None = None,
+    method: ScanMethod = "sequential",
+) -> tuple[TurnStructure, jax.Array | None]:
     """First and last action token of each turn, from ``turn_ids`` alone ([T, B] inputs).
 
-    A token starts a turn when its id exceeds every id before it; it ends a turn when its id is
-    below every action id after it. Non-decreasing turn ids make both exact.
+    A token starts a turn when the previous action token has a different id; it ends a turn when
+    the next action token has a different id (or there is none). Optionally also returns, in the
+    same loop, the value of ``next_values`` at the next action token (``bootstrap`` after the
+    last), which every GAE-style estimator needs.
     """
     mask = loss_mask_tm.astype(bool)
-    ids = jnp.where(mask, turn_ids_tm, -1).astype(jnp.int32)
-    big = jnp.iinfo(jnp.int32).max
-    before = jax.lax.cummax(ids, axis=0)
-    before = jnp.concatenate([jnp.full_like(before[:1], -1), before[:-1]], axis=0)
-    after = jax.lax.cummin(jnp.where(mask, ids, big), axis=0, reverse=True)
-    after = jnp.concatenate([after[1:], jnp.full_like(after[:1], big)], axis=0)
-    return TurnStructure(mask=mask, start=mask & (ids > before), end=mask & (ids < after))
+    ids = jnp.where(mask, turn_ids_tm, -1).astype(jnp.float32)  # exact below 2**24
+    batch = ids.shape[1:]
+    (before,) = neighbour_action_values_time_major(
+        [ids], mask, [jnp.full(batch, -1.0, jnp.float32)], reverse=False, method=method
+    )
+    xs, inits = [ids], [jnp.full(batch, -1.0, jnp.float32)]
+    if next_values is not None:
+        xs.append(next_values)
+        inits.append(bootstrap)
+    after = neighbour_action_values_time_major(xs, mask, inits, reverse=True, method=method)
+    turns = TurnStructure(mask=mask, start=mask & (ids != before), end=mask & (ids != after[0]))
+    return turns, (after[1] if next_values is not None else None)
 
 
-def turn_sum_time_major(
-    x_tm: jax.Array, turns: TurnStructure, *, method: ScanMethod = "sequential"
-) -> jax.Array:
-    """Σ of ``x`` over each turn's action tokens, broadcast back to those tokens ([T, B]).
+def turn_sums_time_major(
+    xs: list[jax.Array], turns: TurnStructure, *, method: ScanMethod = "sequential"
+) -> list[jax.Array]:
+    """For each x: ``Σ`` over each turn's action tokens, broadcast back to them ([T, B]).
 
     A reverse sum cut at turn ends leaves each turn's total on its first token; a forward fill cut
-    at turn starts spreads it over the turn. Off-turn positions hold 0.
+    at turn starts spreads it over the turn. Off-turn positions hold 0. All xs share two loops.
     """
-    zero = jnp.zeros(x_tm.shape[1:], x_tm.dtype)
-    end, start = turns.end.astype(x_tm.dtype), turns.start.astype(x_tm.dtype)
-    (partial,) = reverse_scans_time_major(
-        [(jnp.where(turns.mask, x_tm, 0), 1 - end, zero)], method=method
-    )
-    (filled,) = reverse_scans_time_major(
-        [(start * partial, 1 - start, zero)], method=method, forward=True
-    )
-    return jnp.where(turns.mask, filled, 0)
+    sums = []
+    for x in xs:
+        zero = jnp.zeros(x.shape[1:], x.dtype)
+        sums.append((jnp.where(turns.mask, x, 0), 1 - turns.end.astype(x.dtype), zero))
+    partials = reverse_scans_time_major(sums, method=method)
+    fills = []
+    for p in partials:
+        start = turns.start.astype(p.dtype)
+        fills.append((start * p, 1 - start, jnp.zeros(p.shape[1:], p.dtype)))
+    filled = reverse_scans_time_major(fills, method=method, forward=True)
+    return [jnp.where(turns.mask, f, 0) for f in filled]
 
 
 def float_dtype(*arrays: Any) -> jnp.dtype:
@@ -297,13 +339,13 @@ def _to_time_major(x: Any, dtype: Any = None) -> jax.Array:
 
 def turn_start_mask(loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike) -> jax.Array:
     """[B, T] bool: True on the first action token of every turn."""
-    s = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
+    s, _ = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
     return s.start.T
 
 
 def turn_end_mask(loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike) -> jax.Array:
     """[B, T] bool: True on the last action token of every turn."""
-    s = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
+    s, _ = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
     return s.end.T
 
 
@@ -317,8 +359,9 @@ def turn_sum(
     """[B, T]: ``Σ_{u ∈ S_k} x_u`` on every action token t of turn k (S_k: the turn's action
     tokens); 0 off ``loss_mask``. Differentiable in ``x``."""
     dtype = float_dtype(x)
-    s = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
-    return turn_sum_time_major(_to_time_major(x, dtype), s, method=method).T
+    s, _ = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
+    (total,) = turn_sums_time_major([_to_time_major(x, dtype)], s, method=method)
+    return total.T
 
 
 def turn_mean(
@@ -330,10 +373,9 @@ def turn_mean(
 ) -> jax.Array:
     """[B, T]: ``(1/|S_k|) Σ_{u ∈ S_k} x_u`` on every action token of turn k; 0 off the mask."""
     dtype = float_dtype(x)
-    s = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
-    total, count = (
-        turn_sum_time_major(_to_time_major(x, dtype), s, method=method),
-        turn_sum_time_major(s.mask.astype(dtype), s, method=method),
+    s, _ = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
+    total, count = turn_sums_time_major(
+        [_to_time_major(x, dtype), s.mask.astype(dtype)], s, method=method
     )
     return jnp.where(s.mask, total / jnp.maximum(count, 1), 0).T
 

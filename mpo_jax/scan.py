@@ -82,14 +82,14 @@ def reverse_scans_time_major(
     _check_method(method)
     if not terms or terms[0][0].shape[0] == 0:
         return [a for a, _, _ in terms]
-    if forward:
-        flipped = [(jnp.flip(a, 0), jnp.flip(c, 0), i) for a, c, i in terms]
-        return [jnp.flip(y, 0) for y in reverse_scans_time_major(flipped, method=method)]
     if method == "associative":
+        if forward:
+            flipped = [(jnp.flip(a, 0), jnp.flip(c, 0), i) for a, c, i in terms]
+            return [jnp.flip(_associative_time_major(*t), 0) for t in flipped]
         return [_associative_time_major(a, c, i) for a, c, i in terms]
-
     inits = tuple(i for _, _, i in terms)
-    _, ys = jax.lax.scan(_affine_step, inits, tuple((a, c) for a, c, _ in terms), reverse=True)
+    xs = tuple((a, c) for a, c, _ in terms)
+    _, ys = jax.lax.scan(_affine_step, inits, xs, reverse=not forward)
     return list(ys)
 
 
