@@ -8,8 +8,17 @@ The core is pure, jittable functions on padded [B, T] turn-segment arrays (DESIG
                                            gamma_token=1.0, lam_token=0.95, beta=0.5)
 """
 
-from mpo_jax import advantages, batch, diagnostics, scan
+from mpo_jax import advantages, algorithms, batch, diagnostics, losses, scan
 from mpo_jax.batch import TurnBatch, validate
 
-__all__ = ["advantages", "batch", "diagnostics", "scan", "TurnBatch", "validate"]
+__all__ = [
+    "advantages",
+    "algorithms",
+    "batch",
+    "diagnostics",
+    "losses",
+    "scan",
+    "TurnBatch",
+    "validate",
+]
 __version__ = "0.1.0"

@@ -32,6 +32,7 @@ __all__ = [
     "place_on_turn_ends",
     "broadcast_trajectory_values",
     "trajectory_sums",
+    "turn_sums_per_turn",
 ]
 
 
@@ -429,3 +430,25 @@ def trajectory_sums(x: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike) ->
     """[B]: ``Σ_t x_t`` over each row's action tokens (e.g. the outcome R_b from ``rewards``)."""
     x = jnp.asarray(x, float_dtype(x))
     return jnp.sum(jnp.where(jnp.asarray(loss_mask, bool), x, 0), axis=-1)
+
+
+def turn_sums_per_turn(
+    x: jax.typing.ArrayLike,
+    loss_mask: jax.typing.ArrayLike,
+    turn_ids: jax.typing.ArrayLike,
+    num_turns: int,
+) -> jax.Array:
+    """[B, K]: ``Σ_{t∈S_k} x_t`` for k < ``num_turns`` (a static int); turns beyond K are dropped.
+
+    E.g. per-turn rewards from token rewards (GiGPO's step rewards).
+    """
+    x = jnp.asarray(x, float_dtype(x))
+    mask = jnp.asarray(loss_mask, bool)
+    ids = jnp.asarray(turn_ids)
+    b = x.shape[0]
+    keep = mask & (ids >= 0) & (ids < num_turns)
+    segment = jnp.where(keep, jnp.arange(b)[:, None] * num_turns + ids, b * num_turns)
+    sums = jax.ops.segment_sum(
+        jnp.where(keep, x, 0).reshape(-1), segment.reshape(-1), num_segments=b * num_turns + 1
+    )
+    return sums[:-1].reshape(b, num_turns)

@@ -1,0 +1,308 @@
+"""The named algorithm presets of DESIGN.md's table, and one function that computes their credit.
+
+A preset is a frozen :class:`Algorithm`: which estimator, its hyperparameters (the papers'
+defaults where they give them; ours, marked, where they are silent), the ratio level and
+aggregation of the policy loss, and whether a critic is needed.
+
+    >>> from mpo_jax import algorithms
+    >>> algo = algorithms.get("mpo", beta=0.3)            # a preset with an override
+    >>> out = algorithms.compute_advantages(algo, batch)   # doctest: +SKIP
+    >>> loss, metrics = losses.policy_loss(..., **algo.policy_loss_kwargs())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from mpo_jax import advantages as adv
+from mpo_jax.batch import (
+    TurnBatch,
+    broadcast_trajectory_values,
+    broadcast_turn_values,
+    float_dtype,
+    num_turns,
+    place_on_turn_ends,
+    trajectory_sums,
+    turn_sums_per_turn,
+)
+from mpo_jax.losses import AGGREGATIONS, RATIO_LEVELS, kl_penalty
+
+__all__ = ["Algorithm", "Credit", "PRESETS", "get", "compute_advantages"]
+
+Estimator = Literal["token_gae", "turn_gae", "multiscale", "group", "gigpo", "trace", "mpo_trace"]
+ESTIMATORS = ("token_gae", "turn_gae", "multiscale", "group", "gigpo", "trace", "mpo_trace")
+CRITIC_ESTIMATORS = ("token_gae", "turn_gae", "multiscale", "mpo_trace")
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """One algorithm: credit assignment plus the settings of its clipped update.
+
+    GAE family (critic): ``gamma``/``lam`` for token and turn GAE; MAE adds ``gamma_token``,
+    ``lam_token``, ``beta``; the critic's targets are token-GAE returns with ``critic_lam``.
+    Group family: ``baseline`` ("mean" or "loo") and ``scale`` ("std" or "none").
+    TRACE: ``trace_eps``, ``trace_horizon``, ``trace_gamma``, ``trace_normalize``, ``alpha_out``,
+    ``alpha_turn``, ``terminal_fill``. GiGPO: ``gigpo_gamma``, ``gigpo_omega``.
+    KL to the reference: ``kl_coef`` with estimator ``kl_kind``, as a loss term or, with
+    ``kl_in_reward``, subtracted from the rewards before credit assignment.
+    """
+
+    name: str
+    estimator: Estimator
+    ratio_level: Literal["token", "turn", "sequence"] = "token"
+    ratio_reduce: Literal["sum", "mean"] | None = None
+    aggregation: str = "token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    # GAE family (γ = 1 and λ = 0.95 are ours: the usual choice for LLM agents).
+    gamma: float = 1.0
+    lam: float = 0.95
+    gamma_token: float = 1.0
+    lam_token: float = 0.95
+    beta: float = 0.5  # ours: the MPO paper reports β = 0 costs 6.28 points, not its default
+    critic_lam: float = 0.95
+    value_clip: float | None = 0.2
+    # Group family.
+    baseline: Literal["mean", "loo"] = "mean"
+    scale: Literal["std", "none"] = "std"
+    group_eps: float = 1e-6
+    # TRACE (paper defaults).
+    trace_eps: float = 0.1
+    trace_horizon: int = 3
+    trace_gamma: float = 0.8
+    trace_normalize: bool = True
+    alpha_out: float = 1.0
+    alpha_turn: float = 0.2
+    terminal_fill: Literal["zero", "last"] = "zero"
+    # GiGPO (paper defaults).
+    gigpo_gamma: float = 0.95
+    gigpo_omega: float = 1.0
+    # KL to the reference policy.
+    kl_coef: float = 0.0
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+
+    def __post_init__(self):
+        checks = [
+            ("estimator", self.estimator, ESTIMATORS),
+            ("ratio_level", self.ratio_level, RATIO_LEVELS),
+            ("aggregation", self.aggregation, AGGREGATIONS),
+            ("baseline", self.baseline, ("mean", "loo")),
+            ("scale", self.scale, ("std", "none")),
+            ("terminal_fill", self.terminal_fill, ("zero", "last")),
+            ("kl_kind", self.kl_kind, ("k1", "k2", "k3")),
+        ]
+        for field, value, valid in checks:
+            if value not in valid:
+                raise ValueError(f"{self.name}: {field}={value!r} is not one of {valid}")
+        if self.ratio_reduce not in (None, "sum", "mean"):
+            raise ValueError(f"{self.name}: ratio_reduce={self.ratio_reduce!r} is not sum/mean")
+        if not (self.clip_low >= 0 and self.clip_high >= 0):
+            raise ValueError(f"{self.name}: clip_low and clip_high must be >= 0")
+        if not isinstance(self.trace_horizon, int) or self.trace_horizon < 1:
+            raise ValueError(f"{self.name}: trace_horizon must be an int >= 1")
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.estimator in CRITIC_ESTIMATORS
+
+    @property
+    def needs_groups(self) -> bool:
+        return self.estimator in ("group", "gigpo", "trace")
+
+    @property
+    def needs_reference_answers(self) -> bool:
+        """TRACE scoring: the reference model's log-prob of the gold answer at each boundary."""
+        return self.estimator in ("trace", "mpo_trace")
+
+    def policy_loss_kwargs(self) -> dict:
+        """Keyword arguments for :func:`mpo_jax.losses.policy_loss`."""
+        return dict(
+            ratio_level=self.ratio_level,
+            ratio_reduce=self.ratio_reduce,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            dual_clip=self.dual_clip,
+            aggregation=self.aggregation,
+        )
+
+
+PRESETS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("ppo", "token_gae"),
+        Algorithm("turn_ppo", "turn_gae"),
+        Algorithm("mpo", "multiscale", ratio_level="turn"),
+        Algorithm("grpo", "group", aggregation="seq_mean_token_mean"),
+        Algorithm("dr_grpo", "group", scale="none", aggregation="seq_mean_token_sum"),
+        Algorithm("rloo", "group", baseline="loo", scale="none"),
+        # GSPO: sequence ratio, length-normalised, with its much tighter clip range.
+        Algorithm(
+            "gspo",
+            "group",
+            ratio_level="sequence",
+            ratio_reduce="mean",
+            clip_low=3e-4,
+            clip_high=4e-4,
+            aggregation="seq_mean_token_mean",
+        ),
+        Algorithm("gigpo", "gigpo"),
+        Algorithm("trace", "trace"),
+        Algorithm("mpo_trace", "mpo_trace", ratio_level="turn"),
+    )
+}
+
+
+def get(name: str, **overrides) -> Algorithm:
+    """The preset ``name`` with ``overrides`` applied; unknown names list the valid ones."""
+    if name not in PRESETS:
+        raise ValueError(f"preset: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(Algorithm)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"{name}: unknown setting(s) {unknown}; valid: {sorted(fields)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+class Credit(NamedTuple):
+    """What :func:`compute_advantages` returns: [B, T] arrays, 0 off ``loss_mask``.
+
+    ``returns`` are the critic's targets (``None`` for critic-free presets); ``rewards`` are the
+    rewards the credit was computed from (after a KL-in-reward or TRACE's dense turn rewards).
+    """
+
+    advantages: jax.Array
+    returns: jax.Array | None
+    rewards: jax.Array
+
+
+def _require(algo: Algorithm, batch: TurnBatch, *fields: str) -> None:
+    for f in fields:
+        if getattr(batch, f) is None:
+            raise ValueError(f"{algo.name}: batch.{f} is required by this preset but is None")
+
+
+def compute_advantages(
+    algo: Algorithm, batch: TurnBatch, *, need_returns: bool | None = None
+) -> Credit:
+    """Advantages (and the critic's targets) of ``batch`` under preset ``algo``.
+
+    Critic presets read ``batch.values`` (and ``bootstrap_values`` for truncated rows); group
+    presets read ``group_ids``; GiGPO reads ``step_keys``; TRACE presets read ``boundary_mask``
+    and ``answer_logprobs``; a KL-in-reward reads ``old_logp`` and ``ref_logp``.
+
+    Args:
+      need_returns: ask for critic targets; ``True`` on a critic-free preset is an error.
+        Defaults to ``algo.needs_critic``.
+    """
+    if need_returns is None:
+        need_returns = algo.needs_critic
+    if need_returns and not algo.needs_critic:
+        critics = sorted(n for n, p in PRESETS.items() if p.needs_critic)
+        raise ValueError(
+            f"{algo.name}: a critic-free preset has no critic targets (returns); "
+            f"critic presets are {critics}"
+        )
+    dtype = float_dtype(batch.rewards, batch.values)
+    mask = jnp.asarray(batch.loss_mask, bool)
+    rewards = jnp.where(mask, jnp.asarray(batch.rewards, dtype), 0)
+    if algo.kl_in_reward and algo.kl_coef:
+        _require(algo, batch, "old_logp", "ref_logp")
+        kl = kl_penalty(batch.old_logp, batch.ref_logp, mask, kind=algo.kl_kind)
+        rewards = rewards - algo.kl_coef * kl.astype(dtype)
+
+    if algo.needs_critic:
+        _require(algo, batch, "values")
+        boot = None
+        if batch.bootstrap_values is not None:
+            boot = jnp.where(jnp.asarray(batch.truncated, bool), batch.bootstrap_values, 0)
+        if algo.estimator == "mpo_trace":
+            _require(algo, batch, "boundary_mask", "answer_logprobs")
+            credit = adv.trace_turn_credit(
+                batch.answer_logprobs,
+                batch.boundary_mask,
+                eps=algo.trace_eps,
+                horizon=algo.trace_horizon,
+                gamma=algo.trace_gamma,
+                normalize=algo.trace_normalize,
+            )
+            turn_rewards = place_on_turn_ends(credit, mask, batch.turn_ids)
+            rewards = rewards + algo.alpha_turn * turn_rewards.astype(dtype)
+        gae = dict(bootstrap_value=boot)
+        returns = None
+        if need_returns:  # the critic's targets are PPO's, whatever the actor's credit
+            _, returns = adv.token_gae(
+                rewards, batch.values, mask, gamma=algo.gamma, lam=algo.critic_lam, **gae
+            )
+        if algo.estimator == "token_gae":
+            advantages, _ = adv.token_gae(
+                rewards, batch.values, mask, gamma=algo.gamma, lam=algo.lam, **gae
+            )
+        elif algo.estimator == "turn_gae":
+            advantages, _ = adv.turn_gae(
+                rewards, batch.values, mask, batch.turn_ids, gamma=algo.gamma, lam=algo.lam, **gae
+            )
+        else:  # multiscale and mpo_trace
+            advantages = adv.multiscale_advantages(
+                rewards,
+                batch.values,
+                mask,
+                batch.turn_ids,
+                gamma_turn=algo.gamma,
+                lam_turn=algo.lam,
+                gamma_token=algo.gamma_token,
+                lam_token=algo.lam_token,
+                beta=algo.beta,
+                **gae,
+            )
+        return Credit(advantages, returns, rewards)
+
+    group = dict(scale=algo.scale, eps=algo.group_eps)
+    if algo.estimator == "gigpo":
+        _require(algo, batch, "step_keys")
+        keys = jnp.asarray(batch.step_keys)
+        k = keys.shape[-1]
+        step_rewards = turn_sums_per_turn(rewards, mask, batch.turn_ids, k)
+        step_mask = jnp.arange(k)[None, :] < num_turns(mask, batch.turn_ids)[:, None]
+        per_turn = adv.gigpo_advantages(
+            step_rewards,
+            keys,
+            step_mask,
+            batch.group_ids,
+            gamma=algo.gigpo_gamma,
+            omega=algo.gigpo_omega,
+            **group,
+        )
+        return Credit(broadcast_turn_values(per_turn, mask, batch.turn_ids), None, rewards)
+
+    outcome = adv.group_advantages(
+        trajectory_sums(rewards, mask), batch.group_ids, baseline=algo.baseline, **group
+    )
+    if algo.estimator == "group":
+        return Credit(broadcast_trajectory_values(outcome, mask), None, rewards)
+
+    _require(algo, batch, "boundary_mask", "answer_logprobs")  # trace
+    credit = adv.trace_turn_credit(
+        batch.answer_logprobs,
+        batch.boundary_mask,
+        eps=algo.trace_eps,
+        horizon=algo.trace_horizon,
+        gamma=algo.trace_gamma,
+        normalize=algo.trace_normalize,
+    )
+    advantages = adv.trace_turn_advantages(
+        outcome,
+        credit,
+        batch.boundary_mask,
+        mask,
+        batch.turn_ids,
+        alpha_out=algo.alpha_out,
+        alpha_turn=algo.alpha_turn,
+        terminal_fill=algo.terminal_fill,
+    )
+    return Credit(advantages, None, rewards)

@@ -1,0 +1,264 @@
+"""Policy loss (ratio per token, turn or sequence), value loss, KL penalties, entropy, aggregation.
+
+Every loss is computed per token, then aggregated as ``(sum, count)`` (:func:`aggregate`): the
+loss is ``sum / count``, or ``sum / normalizer`` when the caller passes the full batch's count, so
+that gradient accumulation over micro-batches reproduces the full-batch gradient exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from mpo_jax.advantages import turn_log_ratio
+from mpo_jax.batch import float_dtype, num_turns, turn_end_mask, turn_sum
+
+__all__ = [
+    "AGGREGATIONS",
+    "aggregate",
+    "policy_loss",
+    "value_loss",
+    "kl_penalty",
+    "entropy_from_logprobs",
+]
+
+ArrayLike = jax.typing.ArrayLike
+Aggregation = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "turn_mean_token_mean"
+]
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "turn_mean_token_mean")
+RATIO_LEVELS = ("token", "turn", "sequence")
+
+
+def aggregate(
+    per_token: ArrayLike,
+    loss_mask: ArrayLike,
+    turn_ids: ArrayLike | None = None,
+    *,
+    mode: Aggregation = "token_mean",
+) -> tuple[jax.Array, jax.Array]:
+    """Aggregates a per-token loss into ``(sum, count)``; the loss is ``sum / count``.
+
+    Modes (verl's names with underscores), over ``loss_mask`` tokens ℓ_{b,t}:
+
+    * ``token_mean``: sum = Σ_{b,t} ℓ, count = number of tokens.
+    * ``seq_mean_token_mean``: sum = Σ_b (Σ_t ℓ / n_b), count = number of non-empty rows.
+    * ``seq_mean_token_sum``: sum = Σ_{b,t} ℓ, count = number of non-empty rows (Dr.GRPO).
+    * ``turn_mean_token_mean``: sum = Σ_{b,k} (Σ_{t∈S_k} ℓ / |S_k|), count = number of turns.
+
+    Each count is a sum over rows, so per-micro-batch counts add up to the full batch's count.
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation: unknown mode {mode!r}; choose one of {AGGREGATIONS}")
+    x = jnp.asarray(per_token)
+    mask = jnp.asarray(loss_mask, bool)
+    x = jnp.where(mask, x, 0)
+    dtype = x.dtype
+    if mode == "token_mean":
+        return jnp.sum(x), jnp.sum(mask).astype(dtype)
+    n = jnp.sum(mask, axis=-1)
+    rows = jnp.sum(n > 0).astype(dtype)
+    if mode == "seq_mean_token_mean":
+        return jnp.sum(jnp.sum(x, axis=-1) / jnp.maximum(n, 1)), rows
+    if mode == "seq_mean_token_sum":
+        return jnp.sum(x), rows
+    if turn_ids is None:
+        raise ValueError("turn_ids: required by aggregation 'turn_mean_token_mean'")
+    turn_size = turn_sum(mask.astype(dtype), mask, turn_ids)
+    total = jnp.sum(jnp.where(mask, x / jnp.maximum(turn_size, 1), 0))
+    return total, jnp.sum(num_turns(mask, turn_ids)).astype(dtype)
+
+
+def _ratio_log(logp, old_logp, loss_mask, turn_ids, level, reduce):
+    """The log-ratio L of the chosen level, broadcast to tokens (not yet stop-gradiented)."""
+    if level == "token":
+        return jnp.where(loss_mask, logp - old_logp, 0)
+    if level == "turn":
+        return turn_log_ratio(logp, old_logp, loss_mask, turn_ids, reduce=reduce)
+    diff = jnp.where(loss_mask, logp - old_logp, 0)
+    total = jnp.sum(diff, axis=-1, keepdims=True)
+    if reduce == "mean":
+        total = total / jnp.maximum(jnp.sum(loss_mask, axis=-1, keepdims=True), 1)
+    return jnp.where(loss_mask, total, 0)
+
+
+def policy_loss(
+    logp: ArrayLike,
+    old_logp: ArrayLike,
+    advantages: ArrayLike,
+    loss_mask: ArrayLike,
+    turn_ids: ArrayLike,
+    *,
+    ratio_level: Literal["token", "turn", "sequence"] = "turn",
+    ratio_reduce: Literal["sum", "mean"] | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float = 20.0,
+    aggregation: Aggregation = "token_mean",
+    normalizer: ArrayLike | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The clipped surrogate with the importance ratio at token, turn or sequence level.
+
+    With L the log-ratio of the level (token: ``logp_t - old_logp_t``; turn: ``Σ_{u∈S_k}`` of it,
+    MPO; sequence: the mean over the row's action tokens, GSPO), clamped to ``±log_ratio_clamp``:
+
+        w_t = exp(sg(L) + logp_t - sg(logp_t))
+        ℓ_t = -min(w_t Â_t, clip(w_t, 1 - ε_low, 1 + ε_high) Â_t)
+
+    In value ``w_t`` is the ratio of its level; its gradient is ``sg(w_t) ∇logp_t``, so each token's
+    gradient carries its own advantage only, and a turn (or sequence) is clipped as a whole.
+    ``dual_clip = c > 1`` bounds the loss of negative-advantage tokens by ``-c Â_t`` (Ye et al.
+    2020). ``ratio_reduce`` defaults to ``"sum"`` for turns and ``"mean"`` (length-normalised) for
+    sequences.
+
+    Args:
+      logp: [B, T] log-probs under the policy being optimised (differentiate through this).
+      old_logp: [B, T] log-probs under the rollout policy.
+      advantages: [B, T].
+      loss_mask, turn_ids: the layout of DESIGN.md §2.
+      aggregation: see :func:`aggregate`.
+      normalizer: divide the summed loss by this instead of the batch's own count (pass the full
+        batch's count when accumulating micro-batches).
+
+    Returns:
+      (loss, metrics): metrics hold ``loss_sum``, ``loss_count``, ``clip_frac`` (tokens),
+      ``turn_clip_frac`` (turns with a clipped token), ``dual_clip_frac``, ``approx_kl``
+      (k3 estimate of KL(old || new) from token ratios), ``ratio_mean`` and ``ratio_max``.
+    """
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(
+            f"ratio_level: unknown level {ratio_level!r}; choose one of {RATIO_LEVELS}"
+        )
+    if ratio_reduce is None:
+        ratio_reduce = "mean" if ratio_level == "sequence" else "sum"
+    if ratio_reduce not in ("sum", "mean"):
+        raise ValueError(
+            f"ratio_reduce: unknown reduction {ratio_reduce!r}; choose 'sum' or 'mean'"
+        )
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip: must be > 1 (or None), got {dual_clip}")
+    dtype = float_dtype(logp, old_logp, advantages)
+    mask = jnp.asarray(loss_mask, bool)
+    logp = jnp.where(mask, jnp.asarray(logp, dtype), 0)
+    old = jnp.where(mask, jnp.asarray(old_logp, dtype), 0)
+    adv = jnp.where(mask, jnp.asarray(advantages, dtype), 0)
+
+    log_ratio = _ratio_log(logp, old, mask, turn_ids, ratio_level, ratio_reduce)
+    log_ratio = jnp.clip(jax.lax.stop_gradient(log_ratio), -log_ratio_clamp, log_ratio_clamp)
+    ratio = jnp.exp(log_ratio + logp - jax.lax.stop_gradient(logp))
+    unclipped = -ratio * adv
+    clipped = -jnp.clip(ratio, 1 - clip_low, 1 + clip_high) * adv
+    per_token = jnp.maximum(unclipped, clipped)
+    is_clipped = mask & (clipped > unclipped)
+    dual = jnp.zeros_like(mask)
+    if dual_clip is not None:
+        bound = -dual_clip * adv
+        dual = mask & (adv < 0) & (per_token > bound)
+        per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)
+    total, count = aggregate(per_token, mask, turn_ids, mode=aggregation)
+    denom = count if normalizer is None else jnp.asarray(normalizer, dtype)
+    loss = total / jnp.maximum(denom, 1e-8)
+
+    n_tok = jnp.maximum(jnp.sum(mask), 1)
+    ends = turn_end_mask(mask, turn_ids)
+    clipped_turns = turn_sum(is_clipped.astype(dtype), mask, turn_ids) > 0
+    token_log_ratio = logp - old
+    value_ratio = jax.lax.stop_gradient(ratio)
+    metrics = {
+        "loss_sum": total,
+        "loss_count": count,
+        "clip_frac": jnp.sum(is_clipped) / n_tok,
+        "turn_clip_frac": jnp.sum(ends & clipped_turns) / jnp.maximum(jnp.sum(ends), 1),
+        "dual_clip_frac": jnp.sum(dual) / n_tok,
+        "approx_kl": jax.lax.stop_gradient(
+            jnp.sum(jnp.where(mask, jnp.expm1(token_log_ratio) - token_log_ratio, 0)) / n_tok
+        ),
+        "ratio_mean": jnp.sum(jnp.where(mask, value_ratio, 0)) / n_tok,
+        "ratio_max": jnp.max(jnp.where(mask, value_ratio, -jnp.inf), initial=0.0),
+    }
+    return loss, metrics
+
+
+def value_loss(
+    values: ArrayLike,
+    old_values: ArrayLike,
+    returns: ArrayLike,
+    loss_mask: ArrayLike,
+    turn_ids: ArrayLike | None = None,
+    *,
+    clip: float | None = 0.2,
+    aggregation: Aggregation = "token_mean",
+    normalizer: ArrayLike | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped squared error of the critic to its targets over ``loss_mask`` tokens.
+
+    ``ℓ_t = ½ max((V_t - G_t)², (V_old,t + clip(V_t - V_old,t, ±c) - G_t)²)``; ``clip=None`` is the
+    plain ½ (V - G)². Returns (loss, metrics with ``loss_sum``, ``loss_count``, ``clip_frac``).
+    """
+    dtype = float_dtype(values, old_values, returns)
+    mask = jnp.asarray(loss_mask, bool)
+    v = jnp.where(mask, jnp.asarray(values, dtype), 0)
+    v_old = jnp.where(mask, jnp.asarray(old_values, dtype), 0)
+    g = jnp.where(mask, jnp.asarray(returns, dtype), 0)
+    err = (v - g) ** 2
+    if clip is None:
+        per_token = 0.5 * err
+        clipped_frac = jnp.zeros((), dtype)
+    else:
+        v_clip = v_old + jnp.clip(v - v_old, -clip, clip)
+        err_clip = (v_clip - g) ** 2
+        per_token = 0.5 * jnp.maximum(err, err_clip)
+        clipped_frac = jnp.sum(mask & (err_clip > err)) / jnp.maximum(jnp.sum(mask), 1)
+    total, count = aggregate(per_token, mask, turn_ids, mode=aggregation)
+    denom = count if normalizer is None else jnp.asarray(normalizer, dtype)
+    loss = total / jnp.maximum(denom, 1e-8)
+    return loss, {"loss_sum": total, "loss_count": count, "clip_frac": clipped_frac}
+
+
+KL_KINDS = ("k1", "k2", "k3")
+
+
+def kl_penalty(
+    logp: ArrayLike,
+    ref_logp: ArrayLike,
+    loss_mask: ArrayLike,
+    *,
+    kind: Literal["k1", "k2", "k3"] = "k3",
+    clamp: float | None = 10.0,
+) -> jax.Array:
+    """Per-token estimates of KL(π || π_ref) from samples of π (Schulman's k1, k2, k3).
+
+    With ``x = logp - ref_logp``: ``k1 = x``; ``k2 = ½ x²``; ``k3 = exp(-x) - 1 + x`` (unbiased,
+    non-negative, low variance). Use it as a loss (:func:`aggregate`) or as a reward
+    (``rewards - β · kl`` on action tokens). ``clamp`` bounds k3 (verl clamps at 10).
+
+    Returns:
+      [B, T], 0 off ``loss_mask``.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"kind: unknown KL estimator {kind!r}; choose one of {KL_KINDS}")
+    dtype = float_dtype(logp, ref_logp)
+    mask = jnp.asarray(loss_mask, bool)
+    x = jnp.where(mask, jnp.asarray(logp, dtype) - jnp.asarray(ref_logp, dtype), 0)
+    if kind == "k1":
+        kl = x
+    elif kind == "k2":
+        kl = 0.5 * x**2
+    else:
+        kl = jnp.expm1(-x) + x
+        if clamp is not None:
+            kl = jnp.clip(kl, -clamp, clamp)
+    return jnp.where(mask, kl, 0)
+
+
+def entropy_from_logprobs(logprobs: ArrayLike) -> jax.Array:
+    """Entropy ``H = -Σ_v p_v log p_v`` of distributions given as log-probs [..., V] -> [...].
+
+    Terms with ``p_v = 0`` (log-prob -inf) contribute 0. Aggregate with :func:`aggregate`.
+    """
+    lp = jnp.asarray(logprobs)
+    p = jnp.exp(lp)
+    return -jnp.sum(jnp.where(p > 0, p * lp, 0), axis=-1)

@@ -1,0 +1,131 @@
+"""Presets: each runs end to end under jit; bad names and impossible combinations fail loudly."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from mpo_jax import advantages as A
+from mpo_jax import algorithms, losses
+from mpo_jax.batch import TurnBatch, num_turns, validate
+from tests.batches import random_batch
+
+
+def full_batch(seed=0) -> TurnBatch:
+    rng = np.random.default_rng(seed)
+    b = random_batch(rng, batch=8, length=40, dtype=np.float32)
+    k = np.asarray(num_turns(b.loss_mask, b.turn_ids))
+    keys = np.full((8, 6), -1, np.int32)
+    for i in range(8):
+        keys[i, : k[i]] = rng.integers(0, 3, size=k[i])  # few states: step groups do form
+    m = 6
+    n_boundaries = np.minimum(k, m)
+    bm = np.arange(m)[None] < n_boundaries[:, None]
+    return b.replace(
+        ref_logp=b.logp - 0.05,
+        step_keys=keys,
+        boundary_mask=bm,
+        answer_logprobs=np.where(bm, -rng.uniform(0.1, 4, size=(8, m)), 0).astype(np.float32),
+    )
+
+
+def one_step(algo, batch):
+    credit = algorithms.compute_advantages(algo, batch)
+    loss, metrics = losses.policy_loss(
+        batch.logp,
+        batch.old_logp,
+        credit.advantages,
+        batch.loss_mask,
+        batch.turn_ids,
+        **algo.policy_loss_kwargs(),
+    )
+    total = loss
+    if credit.returns is not None:
+        vloss, _ = losses.value_loss(batch.values, batch.values, credit.returns, batch.loss_mask)
+        total = total + vloss
+    return total, credit.advantages
+
+
+@pytest.mark.parametrize("name", sorted(algorithms.PRESETS))
+def test_every_preset_runs_end_to_end_under_jit(name):
+    batch = full_batch()
+    validate(batch)
+    algo = algorithms.get(name)
+    total, advantages = jax.jit(one_step, static_argnums=0)(algo, batch)
+    assert np.isfinite(total)
+    assert np.all(np.isfinite(advantages))
+    assert np.all(np.asarray(advantages)[~batch.loss_mask] == 0)
+    assert np.any(np.asarray(advantages) != 0)
+    assert (algorithms.compute_advantages(algo, batch).returns is not None) == algo.needs_critic
+
+
+def test_presets_compute_what_their_estimators_compute():
+    b = full_batch(1)
+    mpo = algorithms.compute_advantages(algorithms.get("mpo", beta=0.3), b)
+    expected = A.multiscale_advantages(
+        b.rewards,
+        b.values,
+        b.loss_mask,
+        b.turn_ids,
+        gamma_turn=1.0,
+        lam_turn=0.95,
+        gamma_token=1.0,
+        lam_token=0.95,
+        beta=0.3,
+        bootstrap_value=np.where(b.truncated, b.bootstrap_values, 0),
+    )
+    np.testing.assert_allclose(mpo.advantages, expected, atol=1e-6)
+    _, returns = A.token_gae(
+        b.rewards,
+        b.values,
+        b.loss_mask,
+        gamma=1.0,
+        lam=0.95,
+        bootstrap_value=np.where(b.truncated, b.bootstrap_values, 0),
+    )
+    np.testing.assert_allclose(mpo.returns, returns, atol=1e-6)
+    grpo = algorithms.compute_advantages(algorithms.get("grpo"), b)
+    for g in np.unique(b.group_ids):
+        rows = b.group_ids == g
+        first = np.asarray(grpo.advantages)[rows][b.loss_mask[rows]]
+        assert first.size == 0 or np.ptp(first) >= 0  # broadcast per trajectory
+
+
+def test_mpo_trace_adds_turn_credit_as_dense_rewards():
+    b = full_batch(2)
+    algo = algorithms.get("mpo_trace")
+    credit = algorithms.compute_advantages(algo, b)
+    added = np.asarray(credit.rewards) - np.where(b.loss_mask, b.rewards, 0)
+    turn_credit = np.asarray(A.trace_turn_credit(b.answer_logprobs, b.boundary_mask))
+    assert np.abs(added).sum() > 0
+    np.testing.assert_allclose(added.sum(1), 0.2 * turn_credit.sum(1), rtol=1e-5, atol=1e-6)
+
+
+def test_kl_in_reward_changes_the_rewards():
+    b = full_batch(3)
+    algo = algorithms.get("ppo", kl_coef=0.1, kl_in_reward=True, kl_kind="k1")
+    credit = algorithms.compute_advantages(algo, b)
+    expected = np.where(b.loss_mask, b.rewards - 0.1 * (b.old_logp - b.ref_logp), 0)
+    np.testing.assert_allclose(credit.rewards, expected, atol=1e-6)
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown preset 'ppo2'; choose one of \[.*'mpo'.*\]"):
+        algorithms.get("ppo2")
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['betta'\]"):
+        algorithms.get("mpo", betta=0.1)
+    with pytest.raises(ValueError, match="aggregation='mean' is not one of"):
+        algorithms.get("mpo", aggregation="mean")
+
+
+def test_impossible_combinations_raise():
+    b = full_batch()
+    with pytest.raises(ValueError, match="grpo: a critic-free preset has no critic targets"):
+        algorithms.compute_advantages(algorithms.get("grpo"), b, need_returns=True)
+    with pytest.raises(ValueError, match=r"mpo: batch.values is required"):
+        algorithms.compute_advantages(algorithms.get("mpo"), b.replace(values=None))
+    with pytest.raises(ValueError, match=r"gigpo: batch.step_keys is required"):
+        algorithms.compute_advantages(algorithms.get("gigpo"), b.replace(step_keys=None))
+    with pytest.raises(ValueError, match=r"trace: batch.boundary_mask is required"):
+        algorithms.compute_advantages(algorithms.get("trace"), b.replace(boundary_mask=None))
