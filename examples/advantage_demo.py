@@ -36,7 +36,7 @@ def make_batch(seed: int, rows: int = 8, length: int = 64) -> TurnBatch:
             mask[b, pos : pos + n] = True
             tid[b, pos : pos + n] = k
             level += rng.normal(scale=0.3)  # the critic's value jumps at turn boundaries ...
-            values[b, pos : pos + n] = level + rng.normal(scale=0.03, size=n)  # ... and barely moves
+            values[b, pos : pos + n] = level + rng.normal(scale=0.03, size=n)  # ... then barely
             pos += n + int(rng.integers(3, 9))
             k += 1
         last = np.nonzero(mask[b])[0][-1]
