@@ -1,0 +1,447 @@
+"""Qwen3 (dense and MoE) in flax.nnx, with the close relatives that cost a flag: Llama, Qwen2.
+
+The whole architecture in one file: RMSNorm, grouped-query attention with an explicit ``head_dim``
+and per-head q/k RMSNorm before RoPE (θ from the checkpoint's config), a SwiGLU MLP or a sparse
+MoE block (softmax router, top-k, ``norm_topk_prob`` as configured, experts through
+``jax.lax.ragged_dot`` on expert-sorted tokens: no Python loop over experts), tied or untied LM
+head, and a scalar value head for the critic.
+
+Every parameter carries logical axis names (``vocab``, ``embed``, ``heads``, ``kv_heads``,
+``mlp``, ``expert``) as nnx sharding metadata, so sharding is a table of rules, not code
+(``nnx.get_partition_spec`` under ``flax.core.spmd`` logical axis rules).
+
+    model = Qwen3ForCausalLM(config, rngs=nnx.Rngs(0))
+    logits = model(input_ids)                                  # [B, T, vocab]
+    logits, hidden = model(input_ids, return_hidden=True)      # hidden: final normed [B, T, D]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = [
+    "ModelConfig",
+    "SUPPORTED_ARCHITECTURES",
+    "Qwen3Model",
+    "Qwen3ForCausalLM",
+    "Qwen3ValueModel",
+    "causal_mask",
+]
+
+# architecture name -> (model_type, qk_norm, qkv_bias)
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": ("qwen3", True, False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", True, False),
+    "Qwen2ForCausalLM": ("qwen2", False, True),
+    "LlamaForCausalLM": ("llama", False, False),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture, read from a Hugging Face ``config.json`` (:meth:`from_hf`).
+
+    ``dtype`` is the activations' dtype, ``param_dtype`` the parameters'.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    architecture: str = "Qwen3ForCausalLM"
+    qk_norm: bool = True  # Qwen3: RMSNorm on each head's q and k before RoPE
+    qkv_bias: bool = False  # Qwen2: biases on q/k/v projections
+    attention_bias: bool = False  # Qwen3/Llama `attention_bias`: biases on q/k/v/o
+    # Mixture of experts (Qwen3-MoE); num_experts = 0 is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_hf(cls, hf: dict, **overrides) -> ModelConfig:
+        """Reads every hyperparameter from the checkpoint's own ``config.json`` dict."""
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"config.json: architectures={archs!r} is not supported; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        _, qk_norm, qkv_bias = SUPPORTED_ARCHITECTURES[arch]
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(
+                f"config.json: rope_type {rope_type!r} is not supported (only 'default' RoPE)"
+            )
+        theta = rope.get("rope_theta", hf.get("rope_theta"))
+        if theta is None:
+            raise ValueError("config.json: no rope_theta (in rope_parameters or at the top level)")
+        heads = hf["num_attention_heads"]
+        num_experts = hf.get("num_experts", hf.get("num_local_experts", 0)) or 0
+        fields = dict(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            architecture=arch,
+            qk_norm=qk_norm,
+            qkv_bias=qkv_bias,
+            attention_bias=bool(hf.get("attention_bias", False)),
+            num_experts=num_experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok", 0) or 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size", 0) or 0,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1) or 1,
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+        )
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+        if fields["num_heads"] % fields["num_kv_heads"]:
+            raise ValueError(
+                f"config.json: num_attention_heads={heads} is not a multiple of "
+                f"num_key_value_heads={fields['num_kv_heads']}"
+            )
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf(self) -> dict:
+        """A ``config.json`` dict that transformers reads back into the same architecture."""
+        model_type = SUPPORTED_ARCHITECTURES[self.architecture][0]
+        out = {
+            "architectures": [self.architecture],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": jnp.dtype(self.param_dtype).name,
+        }
+        if self.num_experts:
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
+        return out
+
+
+_LECUN = nnx.initializers.lecun_normal()
+
+
+def _init(names: tuple[str | None, ...], base=_LECUN):
+    """``base`` carrying logical axis names (metadata only: placement is the trainer's job)."""
+    return nnx.with_partitioning(base, names, eager_sharding=False)
+
+
+def _linear(cfg: ModelConfig, d_in, d_out, names, *, bias=False, rngs) -> nnx.Linear:
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=bias,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        kernel_init=_init(names),
+        bias_init=_init((names[-1],), nnx.initializers.zeros_init()),
+        rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """``y = w · x / sqrt(mean(x²) + ε)``, normalised in float32, as Hugging Face does."""
+
+    def __init__(self, dim: int, cfg: ModelConfig, names=("embed",)):
+        self.eps = cfg.rms_norm_eps
+        self.weight = nnx.Param(
+            jnp.ones((dim,), cfg.param_dtype), out_sharding=names, eager_sharding=False
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, half-split layout (Hugging Face's ``rotate_half``). x: [B, T, H, D]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+
+
+def causal_mask(q_positions: jax.Array, k_positions: jax.Array, k_valid=None) -> jax.Array:
+    """[B, 1, 1, Tq, Tk] bool: key s is visible to query t iff pos(s) <= pos(t) (and valid)."""
+    mask = k_positions[:, None, :] <= q_positions[:, :, None]
+    if k_valid is not None:
+        mask = mask & k_valid[:, None, :]
+    return mask[:, None, None]
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention; optional q/k RMSNorm before RoPE; float32 softmax."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, hd = cfg.hidden_size, cfg.head_dim
+        qkv_bias = cfg.qkv_bias or cfg.attention_bias
+        self.q_proj = _linear(
+            cfg, d, cfg.num_heads * hd, ("embed", "heads"), bias=qkv_bias, rngs=rngs
+        )
+        self.k_proj = _linear(
+            cfg, d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=qkv_bias, rngs=rngs
+        )
+        self.v_proj = _linear(
+            cfg, d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=qkv_bias, rngs=rngs
+        )
+        self.o_proj = _linear(
+            cfg, cfg.num_heads * hd, d, ("heads", "embed"), bias=cfg.attention_bias, rngs=rngs
+        )
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg, names=(None,))
+            self.k_norm = RMSNorm(hd, cfg, names=(None,))
+
+    def project_kv(self, x, positions):
+        """Keys (after norm and RoPE) and values of x: each [B, T, kv_heads, head_dim]."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        k = self.k_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            k = self.k_norm(k)
+        return rope(k, positions, cfg.rope_theta), v
+
+    def __call__(self, x, positions, mask, kv=None):
+        """x: [B, T, D]; mask: [B, 1, 1, T, S] over the keys. ``kv`` replaces this call's own keys
+        and values (a KV cache that already holds them); returns (output, (k, v))."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = self.q_norm(q)
+        q = rope(q, positions, cfg.rope_theta)
+        k, v = self.project_kv(x, positions) if kv is None else kv
+        groups = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+        scores = scores * cfg.head_dim**-0.5
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, -1)
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _linear(cfg, d, f, ("embed", "mlp"), rngs=rngs)
+        self.up_proj = _linear(cfg, d, f, ("embed", "mlp"), rngs=rngs)
+        self.down_proj = _linear(cfg, f, d, ("mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nnx.Module):
+    """Qwen3-MoE sparse block: softmax router (float32), top-k experts, SwiGLU experts.
+
+    Tokens are sorted by expert and multiplied with ``jax.lax.ragged_dot`` (one grouped matmul per
+    projection), so compute scales with k, not with the number of experts.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1)
+        self.router = _linear(cfg, d, e, ("embed", "expert"), rngs=rngs)
+        self.gate_proj = nnx.Param(
+            _init(("expert", "embed", "mlp"), init)(rngs.params(), (e, d, f), cfg.param_dtype)
+        )
+        self.up_proj = nnx.Param(
+            _init(("expert", "embed", "mlp"), init)(rngs.params(), (e, d, f), cfg.param_dtype)
+        )
+        self.down_proj = nnx.Param(
+            _init(("expert", "mlp", "embed"), init)(rngs.params(), (e, f, d), cfg.param_dtype)
+        )
+
+    def route(self, x):
+        """(weights [N, k], expert ids [N, k]) for tokens x [N, D]."""
+        logits = self.router(x).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.cfg.num_experts_per_tok)
+        if self.cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights, experts
+
+    def __call__(self, x):
+        cfg = self.cfg
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n, k = x.shape[0], cfg.num_experts_per_tok
+        weights, experts = self.route(x)
+        flat_experts = experts.reshape(-1)
+        order = jnp.argsort(flat_experts, stable=True)
+        token = order // k
+        xs = x[token]
+        sizes = jnp.bincount(flat_experts, length=cfg.num_experts).astype(jnp.int32)
+        dt = cfg.dtype
+        gate = jax.lax.ragged_dot(xs.astype(dt), self.gate_proj[...].astype(dt), sizes)
+        up = jax.lax.ragged_dot(xs.astype(dt), self.up_proj[...].astype(dt), sizes)
+        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...].astype(dt), sizes)
+        out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
+        combined = jax.ops.segment_sum(out, token, num_segments=n)
+        return combined.reshape(shape).astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.mlp = MoE(cfg, rngs=rngs) if cfg.is_moe_layer(layer) else MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, mask, kv=None):
+        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, mask, kv)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+class Qwen3Model(nnx.Module):
+    """The backbone: embedding, decoder layers, final norm -> hidden states [B, T, D]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            embedding_init=_init(("vocab", "embed"), nnx.initializers.normal(0.02)),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg)
+
+    def __call__(self, input_ids, positions=None, attention_mask=None):
+        """input_ids: int [B, T]; positions default to 0..T-1; attention_mask: bool [B, T] of
+        valid (non-padding) keys. Causal by position."""
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask = causal_mask(positions, positions, attention_mask)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x, _ = layer(x, positions, mask)
+        return self.norm(x)
+
+
+class Qwen3ForCausalLM(nnx.Module):
+    """The policy: backbone plus LM head (tied to the embedding when the config says so)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = Qwen3Model(cfg, rngs=rngs)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(
+                cfg, cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), rngs=rngs
+            )
+
+    def lm_head_weight(self) -> jax.Array:
+        """The LM head as a [D, vocab] matrix (the embedding's transpose when tied)."""
+        if self.cfg.tie_word_embeddings:
+            return self.model.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        w = self.lm_head_weight().astype(self.cfg.dtype)
+        return jnp.einsum("btd,dv->btv", hidden.astype(self.cfg.dtype), w)
+
+    def __call__(self, input_ids, positions=None, attention_mask=None, *, return_hidden=False):
+        hidden = self.model(input_ids, positions, attention_mask)
+        logits = self.logits(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+
+class Qwen3ValueModel(nnx.Module):
+    """The critic: the same backbone with a scalar head on the final hidden states."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = Qwen3Model(cfg, rngs=rngs)
+        self.value_head = nnx.Linear(
+            cfg.hidden_size,
+            1,
+            dtype=jnp.float32,
+            param_dtype=jnp.float32,
+            kernel_init=_init(("embed", None), nnx.initializers.zeros_init()),
+            bias_init=_init((None,), nnx.initializers.zeros_init()),
+            rngs=rngs,
+        )
+
+    @classmethod
+    def from_policy(cls, policy: Qwen3ForCausalLM, *, rngs: nnx.Rngs) -> Qwen3ValueModel:
+        """A critic whose backbone starts as a copy of the policy's (value head at zero)."""
+        critic = cls(policy.cfg, rngs=rngs)
+        nnx.update(critic.model, jax.tree.map(jnp.copy, nnx.state(policy.model)))
+        return critic
+
+    def __call__(self, input_ids, positions=None, attention_mask=None):
+        hidden = self.model(input_ids, positions, attention_mask)
+        return self.value_head(hidden.astype(jnp.float32))[..., 0]
