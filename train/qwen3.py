@@ -410,8 +410,11 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.lm_head.kernel[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        w = self.lm_head_weight().astype(self.cfg.dtype)
-        return jnp.einsum("btd,dv->btv", hidden.astype(self.cfg.dtype), w)
+        h = hidden.astype(self.cfg.dtype)
+        if self.cfg.tie_word_embeddings:  # contract with the [vocab, D] table, no transpose
+            table = self.model.embed_tokens.embedding[...].astype(self.cfg.dtype)
+            return jnp.einsum("btd,vd->btv", h, table)
+        return jnp.einsum("btd,dv->btv", h, self.lm_head.kernel[...].astype(self.cfg.dtype))
 
     def __call__(self, input_ids, positions=None, attention_mask=None, *, return_hidden=False):
         hidden = self.model(input_ids, positions, attention_mask)
