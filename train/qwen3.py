@@ -399,22 +399,21 @@ class Qwen3ForCausalLM(nnx.Module):
         self.cfg = cfg
         self.model = Qwen3Model(cfg, rngs=rngs)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _linear(
+            self.lm_head_kernel = _linear(
                 cfg, cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), rngs=rngs
             )
 
-    def lm_head_weight(self) -> jax.Array:
-        """The LM head as a [D, vocab] matrix (the embedding's transpose when tied)."""
+    def lm_head(self) -> tuple[jax.Array, int]:
+        """(weight, vocab_axis): the LM head as used by ``kernels.logprobs`` — the [vocab, D]
+        embedding table (axis 0) when tied, else the [D, vocab] kernel (axis -1)."""
         if self.cfg.tie_word_embeddings:
-            return self.model.embed_tokens.embedding[...].T
-        return self.lm_head.kernel[...]
+            return self.model.embed_tokens.embedding[...], 0
+        return self.lm_head_kernel.kernel[...], -1
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        h = hidden.astype(self.cfg.dtype)
-        if self.cfg.tie_word_embeddings:  # contract with the [vocab, D] table, no transpose
-            table = self.model.embed_tokens.embedding[...].astype(self.cfg.dtype)
-            return jnp.einsum("btd,vd->btv", h, table)
-        return jnp.einsum("btd,dv->btv", h, self.lm_head.kernel[...].astype(self.cfg.dtype))
+        weight, vocab_axis = self.lm_head()
+        eq = "btd,vd->btv" if vocab_axis == 0 else "btd,dv->btv"
+        return jnp.einsum(eq, hidden.astype(self.cfg.dtype), weight.astype(self.cfg.dtype))
 
     def __call__(self, input_ids, positions=None, attention_mask=None, *, return_hidden=False):
         hidden = self.model(input_ids, positions, attention_mask)

@@ -64,7 +64,7 @@ def _hf_to_nnx(name: str) -> tuple[tuple, bool, int | None]:
     if name == "model.norm.weight":
         return ("model", "norm", "weight"), False, None
     if name == "lm_head.weight":
-        return ("lm_head", "kernel"), True, None
+        return ("lm_head_kernel", "kernel"), True, None
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
         layer, rest = int(m.group(1)), m.group(2)
@@ -201,7 +201,7 @@ def _nnx_to_hf(key: tuple) -> str:
         return "model.embed_tokens.weight"
     if key == ("model", "norm", "weight"):
         return "model.norm.weight"
-    if key == ("lm_head", "kernel"):
+    if key == ("lm_head_kernel", "kernel"):
         return "lm_head.weight"
     layer, rest = key[2], key[3:]
     if rest[:2] == ("mlp", "router"):
@@ -222,7 +222,7 @@ def save_pretrained(model: Any, path: str | Path) -> None:
     cfg: ModelConfig = model.cfg
     tensors: dict[str, np.ndarray] = {}
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if key[0] not in ("model", "lm_head"):
+        if key[0] not in ("model", "lm_head_kernel"):
             continue
         value = np.asarray(jax.device_get(var.get_value()))
         name = _nnx_to_hf(key)

@@ -1,0 +1,156 @@
+"""Token log-probs and entropy from final hidden states, without [tokens, vocab] logits at once.
+
+For hidden states h_n, the LM head W and temperature τ (τ = 0, greedy, is treated as 1):
+
+    z_n = h_n W / τ,   lse_n = log Σ_v exp(z_nv),
+    logp_n = z_n[y_n] - lse_n,   H_n = lse_n - Σ_v p_nv z_nv      (p = softmax(z))
+
+The tokens are processed in chunks of ``chunk_size`` with ``lax.scan``; a custom VJP recomputes
+each chunk's logits in the backward pass, where
+
+    ∂logp/∂z = onehot(y) - p,    ∂H/∂z = -p (log p + H),
+    ∂h = ∂z Wᵀ / τ,   ∂W = Σ_chunks hᵀ ∂z / τ,
+
+so peak memory is one chunk's [chunk, vocab] block instead of the whole [tokens, vocab] matrix
+(151,936-way softmax per token is where RL trainers run out of memory). Values and gradients equal
+the naive computation (:func:`naive_logprobs_and_entropy`) to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["logprobs_and_entropy", "token_logprobs", "naive_logprobs_and_entropy"]
+
+
+def _scale(temperature: float) -> float:
+    return 1.0 / temperature if temperature and temperature > 0 else 1.0
+
+
+def _chunk_logits(h, w, vocab_axis, scale):
+    eq = "nd,dv->nv" if vocab_axis == -1 else "nd,vd->nv"
+    return jnp.einsum(eq, h, w, preferred_element_type=jnp.float32) * scale
+
+
+def naive_logprobs_and_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float = 1.0,
+    vocab_axis: int = -1,
+) -> tuple[jax.Array, jax.Array]:
+    """The reference: full [..., vocab] logits, log-softmax, gather, entropy."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    z = _chunk_logits(h, weight, vocab_axis, _scale(temperature))
+    logp_all = jax.nn.log_softmax(z, axis=-1)
+    logp = jnp.take_along_axis(logp_all, targets.reshape(-1, 1), axis=-1)[:, 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp.reshape(targets.shape), entropy.reshape(targets.shape)
+
+
+def _forward_chunks(h, w, y, vocab_axis, scale):
+    """(logp, entropy, lse) per token, h/y shaped [n_chunks, chunk, ...]."""
+
+    def body(_, xs):
+        hc, yc = xs
+        z = _chunk_logits(hc, w, vocab_axis, scale)
+        lse = jax.nn.logsumexp(z, axis=-1)
+        p = jnp.exp(z - lse[:, None])
+        logp = jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0] - lse
+        entropy = lse - jnp.sum(p * z, axis=-1)
+        return None, (logp, entropy, lse)
+
+    _, out = jax.lax.scan(body, None, (h, y))
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked(h, w, y, vocab_axis, scale):
+    logp, entropy, _ = _forward_chunks(h, w, y, vocab_axis, scale)
+    return logp, entropy
+
+
+def _chunked_fwd(h, w, y, vocab_axis, scale):
+    logp, entropy, lse = _forward_chunks(h, w, y, vocab_axis, scale)
+    return (logp, entropy), (h, w, y, lse, entropy)
+
+
+def _chunked_bwd(vocab_axis, scale, residuals, grads):
+    h, w, y, lse, entropy = residuals
+    g_logp, g_ent = grads
+    vocab = w.shape[vocab_axis]
+
+    def body(dw, xs):
+        hc, yc, lse_c, ent_c, gl, ge = xs
+        z = _chunk_logits(hc, w, vocab_axis, scale)
+        log_p = z - lse_c[:, None]
+        p = jnp.exp(log_p)
+        onehot = jax.nn.one_hot(yc, vocab, dtype=jnp.float32)
+        dz = gl[:, None] * (onehot - p) - ge[:, None] * p * (log_p + ent_c[:, None])
+        dz = dz * scale
+        wf = w.astype(jnp.float32)
+        if vocab_axis == -1:
+            dh = dz @ wf.T
+            dw = dw + hc.astype(jnp.float32).T @ dz
+        else:
+            dh = dz @ wf
+            dw = dw + dz.T @ hc.astype(jnp.float32)
+        return dw, dh.astype(hc.dtype)
+
+    dw0 = jnp.zeros(w.shape, jnp.float32)
+    dw, dh = jax.lax.scan(body, dw0, (h, y, lse, entropy, g_logp, g_ent))
+    return dh, dw.astype(w.dtype), None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def logprobs_and_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    targets: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    vocab_axis: int = -1,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token ``log p(y)`` and entropy of ``softmax(h W / τ)``, chunked over tokens.
+
+    Args:
+      hidden: [..., D] final hidden states (after the final norm).
+      weight: the LM head, [D, vocab] (``vocab_axis=-1``) or [vocab, D] (``vocab_axis=0``, a tied
+        embedding table, used without a transpose).
+      targets: int [...] token ids whose log-probs are wanted (the next tokens).
+      temperature: the sampling temperature τ; 0 (greedy) means plain softmax.
+      chunk_size: tokens per chunk; peak memory is about chunk_size x vocab floats.
+
+    Returns:
+      (logp, entropy), float32, shaped like ``targets``. Differentiable in hidden and weight.
+    """
+    if vocab_axis not in (-1, 0):
+        raise ValueError(f"vocab_axis: must be -1 ([D, vocab]) or 0 ([vocab, D]), got {vocab_axis}")
+    d = hidden.shape[-1]
+    if weight.ndim != 2 or weight.shape[1 if vocab_axis == 0 else 0] != d:
+        raise ValueError(f"weight: shape {weight.shape} does not match hidden size {d}")
+    shape = targets.shape
+    h = hidden.reshape(-1, d)
+    y = targets.reshape(-1).astype(jnp.int32)
+    n = h.shape[0]
+    chunk = max(1, min(chunk_size, n))
+    pad = (-n) % chunk
+    if pad:
+        h = jnp.pad(h, ((0, pad), (0, 0)))
+        y = jnp.pad(y, (0, pad))
+    h = h.reshape(-1, chunk, d)
+    y = y.reshape(-1, chunk)
+    logp, entropy = _chunked(h, weight, y, vocab_axis, _scale(temperature))
+    return logp.reshape(-1)[:n].reshape(shape), entropy.reshape(-1)[:n].reshape(shape)
+
+
+def token_logprobs(hidden, weight, targets, **kwargs) -> jax.Array:
+    """Per-token log-probs only (see :func:`logprobs_and_entropy`)."""
+    return logprobs_and_entropy(hidden, weight, targets, **kwargs)[0]
