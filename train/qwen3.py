@@ -18,7 +18,7 @@ Every parameter carries logical axis names (``vocab``, ``embed``, ``heads``, ``k
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ __all__ = [
     "Qwen3Model",
     "Qwen3ForCausalLM",
     "Qwen3ValueModel",
+    "KVCache",
     "causal_mask",
 ]
 
@@ -233,6 +234,29 @@ def causal_mask(q_positions: jax.Array, k_positions: jax.Array, k_valid=None) ->
     return mask[:, None, None]
 
 
+class KVCache(NamedTuple):
+    """Keys and values of every layer: [layers, B, capacity, kv_heads, head_dim] each.
+
+    Row b holds its tokens at slots 0 .. length_b - 1 (positions equal slots)."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, capacity: int) -> KVCache:
+        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+
+
+def _write_rows(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
+    """Writes new [B, L, ...] into cache [B, S, ...] at slot offsets[b] of each row."""
+
+    def one(c, n, o):
+        return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), o, axis=0)
+
+    return jax.vmap(one)(cache, new, offsets)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention; optional q/k RMSNorm before RoPE; float32 softmax."""
 
@@ -362,6 +386,17 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), new_kv
 
+    def extend(self, x, positions, mask, cache_k, cache_v, offsets):
+        """Like __call__ for new tokens x [B, L, D]: their keys/values are written into the
+        layer's cache at each row's offset, and they attend over the whole cache."""
+        h = self.input_layernorm(x)
+        k_new, v_new = self.self_attn.project_kv(h, positions)
+        cache_k = _write_rows(cache_k, k_new, offsets)
+        cache_v = _write_rows(cache_v, v_new, offsets)
+        attn, _ = self.self_attn(h, positions, mask, kv=(cache_k, cache_v))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+
 
 class Qwen3Model(nnx.Module):
     """The backbone: embedding, decoder layers, final norm -> hidden states [B, T, D]."""
@@ -391,6 +426,34 @@ class Qwen3Model(nnx.Module):
             x, _ = layer(x, positions, mask)
         return self.norm(x)
 
+    def extend(self, input_ids, offsets, n_new, cache: KVCache):
+        """Appends tokens to a live cache and returns their hidden states.
+
+        Args:
+          input_ids: int [B, L], row b's new tokens in its first ``n_new[b]`` columns (the rest is
+            padding and is never attended to).
+          offsets: int [B], how many tokens each row already has in the cache (the new tokens take
+            positions and slots offsets[b], offsets[b] + 1, ...).
+          n_new: int [B], how many of the L columns are real for each row (0 leaves a row as is).
+          cache: the :class:`KVCache`; its capacity must be at least max(offsets) + L.
+
+        Returns:
+          (hidden [B, L, D] after the final norm, the updated cache).
+        """
+        b, t = input_ids.shape
+        capacity = cache.k.shape[2]
+        positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+        slots = jnp.arange(capacity, dtype=jnp.int32)
+        valid = slots[None] < (offsets + n_new)[:, None]
+        mask = causal_mask(positions, jnp.broadcast_to(slots, (b, capacity)), valid)
+        x = self.embed_tokens(input_ids)
+        ks, vs = [], []
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.extend(x, positions, mask, cache.k[i], cache.v[i], offsets)
+            ks.append(k)
+            vs.append(v)
+        return self.norm(x), KVCache(jnp.stack(ks), jnp.stack(vs))
+
 
 class Qwen3ForCausalLM(nnx.Module):
     """The policy: backbone plus LM head (tied to the embedding when the config says so)."""
@@ -419,6 +482,13 @@ class Qwen3ForCausalLM(nnx.Module):
         hidden = self.model(input_ids, positions, attention_mask)
         logits = self.logits(hidden)
         return (logits, hidden) if return_hidden else logits
+
+    def extend(self, input_ids, offsets, n_new, cache: KVCache):
+        """:meth:`Qwen3Model.extend`, returning the next-token logits [B, vocab] after each row's
+        last new token (computed for that one position only) and the updated cache."""
+        hidden, cache = self.model.extend(input_ids, offsets, n_new, cache)
+        last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)
+        return self.logits(last)[:, 0].astype(jnp.float32), cache
 
 
 class Qwen3ValueModel(nnx.Module):

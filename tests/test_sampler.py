@@ -1,0 +1,129 @@
+"""The KV-cache sampler against transformers' greedy generation and full forward passes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from kernels.logprobs import token_logprobs
+from tests.test_qwen3 import randomise
+from train.sampler import Sampler, generate
+from train.weights import load_pretrained
+
+PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [7, 7], [60, 2, 31, 4]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cfg = transformers.Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    torch_model = randomise(transformers.Qwen3ForCausalLM(cfg), seed=3)
+    path = tmp_path_factory.mktemp("tiny")
+    torch_model.save_pretrained(path)
+    return torch_model, load_pretrained(path)
+
+
+def full_logprobs(model, ids):
+    """log softmax of a full forward pass: entry t is log p(ids[t + 1] | ids[:t + 1])."""
+    logits = model(jnp.asarray([ids], jnp.int32))[0]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return np.asarray(logp[np.arange(len(ids) - 1), np.asarray(ids[1:])])
+
+
+def test_greedy_matches_transformers_on_a_ragged_batch(tiny):
+    torch_model, model = tiny
+    gen = generate(model, PROMPTS, max_new_tokens=12, temperature=0.0)
+    for prompt, tokens in zip(PROMPTS, gen.tokens, strict=True):
+        with torch.no_grad():
+            ref = torch_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert tokens == ref[0, len(prompt) :].tolist()
+
+
+def test_logprobs_equal_a_full_forward_pass(tiny):
+    _, model = tiny
+    gen = generate(model, PROMPTS, max_new_tokens=10, temperature=0.0)
+    for prompt, tokens, logprobs in zip(PROMPTS, gen.tokens, gen.logprobs, strict=True):
+        full = full_logprobs(model, prompt + tokens)[len(prompt) - 1 :]
+        np.testing.assert_allclose(logprobs, full, atol=1e-5)
+
+
+def test_continuing_from_the_cache_equals_generating_from_the_full_prefix(tiny):
+    _, model = tiny
+    sampler = Sampler(model, batch_size=3, capacity=64)
+    sampler.start(PROMPTS)
+    turn1 = sampler.generate(max_new_tokens=5, temperature=0.0)
+    observations = [[11, 12, 13], None, [14]]  # row 1 gets no observation
+    sampler.extend(observations)
+    turn2 = sampler.generate(max_new_tokens=6, temperature=0.0, active=[True, False, True])
+    assert turn2.tokens[1] == []
+    for i in (0, 2):
+        prefix = PROMPTS[i] + turn1.tokens[i] + (observations[i] or [])
+        fresh = generate(model, [prefix], max_new_tokens=6, temperature=0.0)
+        assert turn2.tokens[i] == fresh.tokens[0]
+        np.testing.assert_allclose(turn2.logprobs[i], fresh.logprobs[0], atol=1e-5)
+
+
+def test_sampled_logprobs_equal_the_learners_recomputation(tiny):
+    # The RL invariant: behaviour policy = old policy, at the sampling temperature.
+    _, model = tiny
+    for temperature in (1.0, 0.7):
+        gen = generate(model, PROMPTS, max_new_tokens=9, temperature=temperature, seed=1)
+        weight, vocab_axis = model.lm_head()
+        for prompt, tokens, logprobs in zip(PROMPTS, gen.tokens, gen.logprobs, strict=True):
+            ids = jnp.asarray([prompt + tokens], jnp.int32)
+            hidden = model.model(ids)[0, len(prompt) - 1 : -1]
+            learner = token_logprobs(
+                hidden, weight, jnp.asarray(tokens), vocab_axis=vocab_axis, temperature=temperature
+            )
+            np.testing.assert_allclose(logprobs, learner, atol=1e-5)
+
+
+def test_stop_ids_end_a_row_and_are_kept(tiny):
+    _, model = tiny
+    free = generate(model, PROMPTS, max_new_tokens=8, temperature=0.0)
+    stop = free.tokens[0][3]
+    gen = generate(model, PROMPTS, max_new_tokens=8, temperature=0.0, stop_ids=(stop,))
+    first = free.tokens[0].index(stop)
+    assert gen.tokens[0] == free.tokens[0][: first + 1]
+    assert gen.stopped[0]
+
+
+def test_top_k_one_and_a_tiny_nucleus_are_greedy(tiny):
+    _, model = tiny
+    greedy = generate(model, PROMPTS, max_new_tokens=6, temperature=0.0).tokens
+    assert generate(model, PROMPTS, max_new_tokens=6, top_k=1, seed=5).tokens == greedy
+    assert generate(model, PROMPTS, max_new_tokens=6, top_p=1e-6, seed=6).tokens == greedy
+    sampled = generate(model, PROMPTS, max_new_tokens=6, temperature=1.5, seed=7).tokens
+    assert sampled != greedy  # sampling does sample
+
+
+def test_capacity_and_bad_arguments_are_named(tiny):
+    _, model = tiny
+    sampler = Sampler(model, batch_size=2, capacity=10)
+    with pytest.raises(ValueError, match=r"rows\[0\]: 0 \+ 11 tokens exceed the capacity 10"):
+        sampler.start([[1] * 11, [2]])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: empty prompt"):
+        sampler.start([[1], []])
+    sampler.start([[1] * 8, [2]])
+    gen = sampler.generate(max_new_tokens=5, temperature=0.0)
+    assert len(gen.tokens[0]) == 2 and len(gen.tokens[1]) == 5  # row 0 hits capacity
+    with pytest.raises(ValueError, match="top_p"):
+        sampler.generate(max_new_tokens=1, top_p=0.0)

@@ -1,0 +1,279 @@
+"""KV-cache sampling for ragged batches of conversations, one turn at a time.
+
+    gen = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=16, temperature=1.0, stop_ids=(7,))
+    gen.tokens[0], gen.logprobs[0]        # new ids of prompt 0 (a stop id ends it) and their logp
+
+Multi-turn rollouts keep the cache alive between turns with :class:`Sampler`:
+
+    s = Sampler(model, batch_size=2, capacity=4096)
+    s.start(prompts)                      # prefill
+    turn = s.generate(max_new_tokens=256, stop_ids=(im_end,))
+    s.extend(observation_ids_per_row)     # tool responses appended; the prefix is not re-run
+    turn = s.generate(...)
+
+Shapes are static: prompt and observation lengths are padded to power-of-two buckets and the
+decode loop is one jitted ``lax.while_loop`` over a preallocated cache, so a new prompt length
+costs a compile only when it enters a new bucket. Every sampled token (the stop id included) is
+fed back into the cache, so the cache always holds the conversation exactly as sampled.
+
+Log-probs are those of the distribution the token was sampled from, ``softmax(logits / τ)``
+(plain softmax for τ = 0, greedy), before top-k / top-p filtering: what the learner recomputes
+with ``kernels.logprobs`` at the same temperature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from train.qwen3 import KVCache
+
+__all__ = ["Generation", "Sampler", "generate", "bucket"]
+
+
+@dataclasses.dataclass
+class Generation:
+    """New token ids and their log-probs, one list per row (empty for rows not generated)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    stopped: list[bool]  # ended on a stop id (False: ran out of max_new_tokens or capacity)
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+def _filter_logits(logits, top_k: int, top_p: float):
+    """Masks logits outside the top-k and outside the top-p nucleus (to -inf)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each token
+        keep_sorted = before < top_p  # always keeps the most likely token
+        keep = (
+            jnp.zeros_like(keep_sorted)
+            .at[jnp.arange(logits.shape[0])[:, None], order]
+            .set(keep_sorted)
+        )
+        logits = jnp.where(keep, logits, -jnp.inf)
+    return logits
+
+
+def _sample(logits, key, temperature: float, top_k: int, top_p: float):
+    """(token, log-prob under softmax(logits / τ)) for each row of logits [B, V]."""
+    if temperature == 0:
+        token = jnp.argmax(logits, axis=-1)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        scaled = logits / temperature
+        logp = jax.nn.log_softmax(scaled, axis=-1)
+        token = jax.random.categorical(key, _filter_logits(scaled, top_k, top_p), axis=-1)
+    return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+
+
+class Sampler:
+    """A batch of live conversations sharing one preallocated KV cache.
+
+    Args:
+      model: a :class:`train.qwen3.Qwen3ForCausalLM` (any module with the same ``extend``).
+      batch_size: rows (conversations) in the batch.
+      capacity: the most tokens one conversation may hold (prompt, turns, observations).
+    """
+
+    def __init__(self, model, *, batch_size: int, capacity: int):
+        self.graphdef, self.state = nnx.split(model)
+        self.cfg = model.cfg
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self._slots = bucket(capacity + 1) + bucket(1)  # room for one padded write past the end
+        self.cache = KVCache.empty(self.cfg, batch_size, self._slots)
+        self.lengths = np.zeros(batch_size, np.int32)
+        self.next_logits = jnp.zeros((batch_size, self.cfg.vocab_size), jnp.float32)
+
+    # -- jitted pieces ------------------------------------------------------------------------
+
+    @functools.partial(jax.jit, static_argnums=(0,))
+    def _extend(self, state, cache, ids, offsets, n_new, old_logits):
+        model = nnx.merge(self.graphdef, state)
+        logits, cache = model.extend(ids, offsets, n_new, cache)
+        logits = jnp.where((n_new > 0)[:, None], logits, old_logits)
+        return logits, cache
+
+    @functools.partial(jax.jit, static_argnums=(0, 7, 8, 9, 10))
+    def _decode(
+        self,
+        state,
+        cache,
+        lengths,
+        logits,
+        active,
+        key,
+        steps,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+    ):
+        model = nnx.merge(self.graphdef, state)
+        b = lengths.shape[0]
+        limit = jnp.int32(self.capacity)
+        stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+
+        def cond(carry):
+            step, _, _, _, done, *_ = carry
+            return (step < steps) & ~jnp.all(done)
+
+        def body(carry):
+            step, cache, lengths, logits, done, stopped, key, out, out_lp = carry
+            key, sub = jax.random.split(key)
+            token, logp = _sample(logits, sub, temperature, top_k, top_p)
+            live = ~done
+            out = out.at[:, step].set(jnp.where(live, token, -1))
+            out_lp = out_lp.at[:, step].set(jnp.where(live, logp, 0.0))
+            is_stop = jnp.any(token[:, None] == stops[None], axis=-1) & live
+            n_new = live.astype(jnp.int32)
+            new_logits, cache = model.extend(token[:, None], lengths, n_new, cache)
+            logits = jnp.where(live[:, None], new_logits, logits)
+            lengths = lengths + n_new
+            stopped = stopped | is_stop
+            done = done | is_stop | (lengths >= limit)
+            return step + 1, cache, lengths, logits, done, stopped, key, out, out_lp
+
+        out = jnp.full((b, steps), -1, jnp.int32)
+        out_lp = jnp.zeros((b, steps), jnp.float32)
+        done = ~active | (lengths >= limit)
+        carry = (jnp.int32(0), cache, lengths, logits, done, jnp.zeros(b, bool), key, out, out_lp)
+        _, cache, lengths, logits, _, stopped, _, out, out_lp = jax.lax.while_loop(
+            cond, body, carry
+        )
+        return cache, lengths, logits, stopped, out, out_lp
+
+    # -- host API ------------------------------------------------------------------------------
+
+    def extend(self, rows: Sequence[Sequence[int] | None]) -> None:
+        """Appends token ids to each row's conversation (``None`` or ``[]``: row unchanged).
+
+        The new tokens attend to everything already in the cache; nothing is re-run.
+        Raises ValueError when a row would exceed ``capacity``.
+        """
+        if len(rows) != self.batch_size:
+            raise ValueError(f"rows: {len(rows)} rows for a batch of {self.batch_size}")
+        n_new = np.array([len(r) if r is not None else 0 for r in rows], np.int32)
+        over = np.nonzero(self.lengths + n_new > self.capacity)[0]
+        if over.size:
+            i = int(over[0])
+            raise ValueError(
+                f"rows[{i}]: {int(self.lengths[i])} + {int(n_new[i])} tokens exceed the capacity "
+                f"{self.capacity}"
+            )
+        if not n_new.any():
+            return
+        width = bucket(int(n_new.max()))
+        ids = np.zeros((self.batch_size, width), np.int32)
+        for i, r in enumerate(rows):
+            if r:
+                ids[i, : len(r)] = r
+        # Chunk so that every padded write stays inside the cache.
+        step = min(width, self._slots - self.capacity)
+        for lo in range(0, width, step):
+            part = np.clip(n_new - lo, 0, step).astype(np.int32)
+            if not part.any():
+                break
+            self.next_logits, self.cache = self._extend(
+                self.state,
+                self.cache,
+                jnp.asarray(ids[:, lo : lo + step]),
+                jnp.asarray(self.lengths),
+                jnp.asarray(part),
+                self.next_logits,
+            )
+            self.lengths = self.lengths + part
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Resets the batch and prefills it with the prompts (one per row)."""
+        if len(prompts) != self.batch_size:
+            raise ValueError(f"prompts: {len(prompts)} prompts for a batch of {self.batch_size}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}]: empty prompt")
+        self.lengths = np.zeros(self.batch_size, np.int32)
+        self.extend(prompts)
+
+    def generate(
+        self,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_ids: Sequence[int] = (),
+        seed: int = 0,
+        active: Sequence[bool] | None = None,
+    ) -> Generation:
+        """Samples up to ``max_new_tokens`` for every active row, continuing each conversation.
+
+        A row stops after a stop id (which is kept), at ``max_new_tokens``, or at capacity.
+        """
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        if temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        act = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)
+        self.cache, lengths, self.next_logits, stopped, out, out_lp = self._decode(
+            self.state,
+            self.cache,
+            jnp.asarray(self.lengths),
+            self.next_logits,
+            jnp.asarray(act),
+            jax.random.key(seed),
+            int(max_new_tokens),
+            float(temperature),
+            int(top_k),
+            float(top_p),
+            tuple(int(s) for s in stop_ids),
+        )
+        self.lengths = np.asarray(lengths)
+        out, out_lp = np.asarray(out), np.asarray(out_lp)
+        tokens, logprobs = [], []
+        for i in range(self.batch_size):
+            n = int(np.sum(out[i] >= 0))
+            tokens.append(out[i, :n].tolist())
+            logprobs.append(out_lp[i, :n].tolist())
+        return Generation(tokens, logprobs, np.asarray(stopped).tolist())
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_ids: Sequence[int] = (),
+    seed: int = 0,
+) -> Generation:
+    """One turn for a ragged batch of prompts (lists of token ids); see :class:`Sampler`."""
+    capacity = max(len(p) for p in prompts) + max_new_tokens
+    sampler = Sampler(model, batch_size=len(prompts), capacity=capacity)
+    sampler.start(prompts)
+    return sampler.generate(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_ids=stop_ids,
+        seed=seed,
+    )
