@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--reps", type=int, default=1)
     args = p.parse_args()
     rng = np.random.default_rng(0)
