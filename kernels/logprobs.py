@@ -82,6 +82,7 @@ def _chunked_fwd(h, w, y, vocab_axis, scale):
 def _chunked_bwd(vocab_axis, scale, residuals, grads):
     h, w, y, lse, entropy = residuals
     g_logp, g_ent = grads
+
     def body(dw, xs):
         hc, yc, lse_c, ent_c, gl, ge = xs
         z = _chunk_logits(hc, w, vocab_axis, scale)

@@ -127,3 +127,18 @@ def test_capacity_and_bad_arguments_are_named(tiny):
     assert len(gen.tokens[0]) == 2 and len(gen.tokens[1]) == 5  # row 0 hits capacity
     with pytest.raises(ValueError, match="top_p"):
         sampler.generate(max_new_tokens=1, top_p=0.0)
+
+
+@pytest.mark.parametrize("block", [1, 4, 64])
+def test_two_level_categorical_samples_the_softmax(block):
+    from train.sampler import categorical
+
+    logits = jnp.asarray([[0.0, 1.0, -jnp.inf, 2.0, -1.0, 0.5, -jnp.inf, 3.0, 0.0, -2.0]] * 2)
+    n = 40_000
+    keys = jax.random.split(jax.random.key(0), n // 2)
+    draws = np.asarray(jax.vmap(lambda k: categorical(k, logits, block=block))(keys)).ravel()
+    freq = np.bincount(draws, minlength=10) / draws.size
+    probs = np.asarray(jax.nn.softmax(logits[0]))
+    assert freq[2] == 0 and freq[6] == 0  # masked entries are never drawn
+    tolerance = 4 * np.sqrt(probs * (1 - probs) / n) + 1e-4  # four standard errors
+    assert np.all(np.abs(freq - probs) <= tolerance), (freq, probs)

@@ -34,7 +34,7 @@ from flax import nnx
 
 from train.qwen3 import KVCache
 
-__all__ = ["Generation", "Sampler", "generate", "bucket"]
+__all__ = ["Generation", "Sampler", "generate", "bucket", "categorical"]
 
 
 @dataclasses.dataclass
@@ -71,6 +71,37 @@ def _filter_logits(logits, top_k: int, top_p: float):
     return logits
 
 
+def _last_positive(x):
+    """Index of the last entry > 0 along the last axis (0 if none)."""
+    n = x.shape[-1]
+    return n - 1 - jnp.argmax(jnp.flip(x > 0, axis=-1), axis=-1)
+
+
+def _inverse_cdf(weights, u):
+    """The first index whose cumulative weight exceeds u · total, per row; never a 0-weight one."""
+    cdf = jnp.cumsum(weights, axis=-1)
+    target = u[:, None] * cdf[:, -1:]
+    return jnp.minimum(jnp.sum(cdf <= target, axis=-1), _last_positive(weights))
+
+
+def categorical(key, logits, block: int = 1024):
+    """Samples one index per row of logits [B, V] exactly from softmax(logits).
+
+    Two-level inverse-CDF sampling: choose a block of ``block`` entries by its total mass, then an
+    entry inside it. Two uniforms per row instead of V Gumbel variates: on a 151,936-entry
+    vocabulary this is an order of magnitude faster than ``jax.random.categorical`` on CPUs.
+    """
+    b, v = logits.shape
+    block = min(block, v)
+    pad = (-v) % block
+    logits = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)).reshape(b, -1, block)
+    k1, k2 = jax.random.split(key)
+    chosen = _inverse_cdf(jnp.sum(p, axis=-1), jax.random.uniform(k1, (b,)))
+    inside = jnp.take_along_axis(p, chosen[:, None, None], axis=1)[:, 0]
+    return chosen * block + _inverse_cdf(inside, jax.random.uniform(k2, (b,)))
+
+
 def _sample(logits, key, temperature: float, top_k: int, top_p: float):
     """(token, log-prob under softmax(logits / τ)) for each row of logits [B, V]."""
     if temperature == 0:
@@ -79,7 +110,7 @@ def _sample(logits, key, temperature: float, top_k: int, top_p: float):
     else:
         scaled = logits / temperature
         logp = jax.nn.log_softmax(scaled, axis=-1)
-        token = jax.random.categorical(key, _filter_logits(scaled, top_k, top_p), axis=-1)
+        token = categorical(key, _filter_logits(scaled, top_k, top_p))
     return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
