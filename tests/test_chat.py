@@ -66,7 +66,7 @@ def test_incremental_conversation_keeps_what_was_sampled(chat):
     prompt = chat.prompt(messages, tools=TOOLS)
     call = format_tool_call("search", {"query": "X"})
     turn1 = chat.encode(call) + [chat.im_end]  # as if sampled, the stop token included
-    obs = chat.observation(["doc 1: X is 42"])
+    obs = chat.observation_ids(["doc 1: X is 42"])
     turn2 = chat.encode("X is 42.") + [chat.im_end]
     ids = prompt + turn1 + obs + turn2
     # Every segment is kept exactly: the ids are the concatenation, and decode in place.

@@ -176,6 +176,10 @@ class ChatFormat:
             body = f"{body}\n{user}" if body else user
         return self.encode(f"\n<|im_start|>user\n{body}<|im_end|>\n" + self._generation_prompt())
 
+    def turn_text(self, ids: Sequence[int]) -> str:
+        """The codec interface of ``envs.rollout``: the assistant turn as text."""
+        return self.assistant_text(ids)
+
     def assistant_text(self, ids: Sequence[int]) -> str:
         """An assistant turn's text without the stop token."""
         ids = list(ids)

@@ -1,0 +1,60 @@
+"""The environment contract: Gymnasium-style, text in and text out.
+
+``env.reset()`` returns the first observation: chat messages (a system prompt and the task) and
+the tool schemas in ``env.tools``. ``env.step(text)`` takes the assistant's whole turn as text and
+returns ``(observation, reward, terminated, truncated, info)``. Whatever the model writes, the
+environment answers and keeps going: malformed tool calls, unknown tools, bad arguments, a tool
+that raises or runs too long all become an error observation, never an exception.
+
+``info`` carries what the trainer needs: ``state_key`` (a hashable key of the state the turn acted
+in, for GiGPO), ``gold_answer`` (for TRACE), ``tool_calls`` (count so far), ``success``, and
+environment-specific extras such as evidence recall.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+__all__ = ["Observation", "StepResult", "Env"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What the environment says after a turn: tool responses and/or a user message."""
+
+    tool_responses: tuple[str, ...] = ()
+    user: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    observation: Observation
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+
+    def __iter__(self):  # (observation, reward, terminated, truncated, info), Gymnasium order
+        return iter((self.observation, self.reward, self.terminated, self.truncated, self.info))
+
+
+class Env(abc.ABC):
+    """One episode at a time; ``max_turns`` assistant turns at most (then truncation)."""
+
+    tools: list[dict] = []
+    max_turns: int = 8
+
+    @abc.abstractmethod
+    def reset(self) -> list[dict]:
+        """Starts an episode; returns the first messages (system prompt, task)."""
+
+    @abc.abstractmethod
+    def step(self, text: str) -> StepResult:
+        """Takes the assistant's whole turn as text."""
+
+    @property
+    def gold_answer(self) -> str | None:
+        """The episode's gold answer (TRACE scores the reference model's belief in it)."""
+        return None

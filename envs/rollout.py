@@ -1,0 +1,199 @@
+"""The host-side rollout loop: many episodes at once, token ids built incrementally.
+
+Each round makes one batched call to the policy (the KV-cache sampler, or a scripted policy in
+tests) for every live episode, then steps each environment with its turn's text. Sampled ids are
+kept exactly as sampled; each observation is encoded once and appended to the live cache; the
+conversation is never re-rendered. The result is the padded turn-segment batch of DESIGN.md §2.
+
+A policy has the :class:`train.sampler.Sampler` interface: ``start(prompts)``,
+``generate(max_new_tokens=..., temperature=..., stop_ids=..., seed=..., active=...)`` returning
+``.tokens`` and ``.logprobs`` per row, and ``extend(rows)``. A codec turns messages and
+observations into ids (``prompt``, ``observation``, ``turn_text``, ``encode``, ``stop_ids``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from envs.base import Env
+from mpo_jax.batch import TurnBatch
+
+__all__ = ["Rollouts", "collect"]
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """A padded batch plus what the trainer needs beside it.
+
+    ``batch`` carries tokens, loss_mask, turn_ids, rewards, group_ids, truncated, ``old_logp``
+    (the sampler's log-probs on action tokens), ``step_keys`` and ``boundary_mask``.
+    ``boundary_lengths[b, k]`` is the prefix length at tool-call boundary k (0: the prompt; k: after
+    turn k-1 and its observation); ``answer_ids`` are the gold answers' ids (TRACE).
+    """
+
+    batch: TurnBatch
+    boundary_lengths: np.ndarray
+    answer_ids: list[list[int]]
+    episodes: list[dict[str, Any]]
+    seconds: float
+
+
+@dataclasses.dataclass
+class _Episode:
+    tokens: list[int]
+    mask: list[bool]
+    turn_ids: list[int]
+    logp: list[float]
+    rewards: list[float]
+    boundaries: list[int]
+    keys: list[Any] = dataclasses.field(default_factory=list)
+    turns: int = 0
+    active: bool = True
+    truncated: bool = False
+    success: bool = False
+    total_reward: float = 0.0
+    errors: int = 0
+    last_info: dict = dataclasses.field(default_factory=dict)
+
+    def append(self, ids, *, action: bool, turn: int = -1, logp=None):
+        self.tokens += list(ids)
+        self.mask += [action] * len(ids)
+        self.turn_ids += [turn if action else -1] * len(ids)
+        self.logp += list(logp) if logp is not None else [0.0] * len(ids)
+        self.rewards += [0.0] * len(ids)
+
+
+def collect(
+    envs: Sequence[Env],
+    codec: Any,
+    policy: Any,
+    *,
+    group_ids: Sequence[int],
+    max_len: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_step_keys: int | None = None,
+) -> Rollouts:
+    """Runs one episode in each env with the policy; returns the padded batch.
+
+    An episode ends when its env terminates or truncates (its turn limit), or when the next turn
+    or observation would not fit in ``max_len`` tokens: then it is truncated, never crashed.
+    """
+    t0 = time.perf_counter()
+    b = len(envs)
+    if len(group_ids) != b:
+        raise ValueError(f"group_ids: {len(group_ids)} ids for {b} environments")
+    episodes = []
+    prompts = []
+    for env in envs:
+        prompt = codec.prompt(env.reset(), env.tools)
+        if len(prompt) + max_new_tokens > max_len:
+            raise ValueError(
+                f"max_len: {max_len} leaves no room for a turn after a {len(prompt)}-token prompt"
+            )
+        ep = _Episode([], [], [], [], [], [len(prompt)])
+        ep.append(prompt, action=False)
+        episodes.append(ep)
+        prompts.append(prompt)
+    policy.start(prompts)
+    round_ = 0
+    while any(ep.active for ep in episodes):
+        active = [ep.active for ep in episodes]
+        gen = policy.generate(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop_ids=tuple(codec.stop_ids),
+            seed=seed * 100_003 + round_,
+            active=active,
+        )
+        round_ += 1
+        extend: list[list[int] | None] = [None] * b
+        for i, (ep, env) in enumerate(zip(episodes, envs, strict=True)):
+            if not active[i]:
+                continue
+            ids = gen.tokens[i]
+            if not ids:  # no room left in the cache
+                ep.active, ep.truncated = False, True
+                continue
+            ep.keys.append(getattr(env, "state_key", ep.turns))
+            ep.append(ids, action=True, turn=ep.turns, logp=gen.logprobs[i])
+            result = env.step(codec.turn_text(ids))
+            ep.turns += 1
+            ep.rewards[-1] += float(result.reward)  # on the turn's last token
+            ep.total_reward += float(result.reward)
+            ep.last_info = dict(result.info)
+            ep.success = bool(result.info.get("success", ep.success))
+            ep.errors += int(bool(result.info.get("error")))
+            if result.terminated or result.truncated:
+                ep.active = False
+                ep.truncated = bool(result.truncated and not result.terminated)
+                continue
+            obs = codec.observation(result.observation)
+            if len(ep.tokens) + len(obs) + max_new_tokens > max_len:
+                ep.active, ep.truncated = False, True  # the length budget: cut, not crash
+                continue
+            ep.append(obs, action=False)
+            ep.boundaries.append(len(ep.tokens))
+            extend[i] = obs
+        if any(e is not None for e in extend):
+            policy.extend(extend)
+    return _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0)
+
+
+def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> Rollouts:
+    b = len(episodes)
+    tokens = np.zeros((b, max_len), np.int32)
+    mask = np.zeros((b, max_len), bool)
+    tid = np.full((b, max_len), -1, np.int32)
+    logp = np.zeros((b, max_len), np.float32)
+    rewards = np.zeros((b, max_len), np.float32)
+    k = max_step_keys or max(1, max(ep.turns for ep in episodes))
+    m = max(len(ep.boundaries) for ep in episodes)
+    step_keys = np.full((b, k), -1, np.int32)
+    boundary_lengths = np.zeros((b, m), np.int32)
+    boundary_mask = np.zeros((b, m), bool)
+    key_ids: dict[Any, int] = {}
+    for i, ep in enumerate(episodes):
+        n = len(ep.tokens)
+        tokens[i, :n] = ep.tokens
+        mask[i, :n] = ep.mask
+        tid[i, :n] = ep.turn_ids
+        logp[i, :n] = ep.logp
+        rewards[i, :n] = ep.rewards
+        for j, key in enumerate(ep.keys[:k]):
+            step_keys[i, j] = key_ids.setdefault(key, len(key_ids))
+        boundary_lengths[i, : len(ep.boundaries)] = ep.boundaries
+        boundary_mask[i, : len(ep.boundaries)] = True
+    # Only boundaries crossed by a tool call count for TRACE: the prompt, then one per turn that
+    # was followed by an observation.
+    answers = [codec.encode(env.gold_answer) if env.gold_answer else [] for env in envs]
+    batch = TurnBatch(
+        tokens=tokens,
+        loss_mask=mask,
+        turn_ids=tid,
+        rewards=rewards,
+        group_ids=np.asarray(group_ids, np.int32),
+        truncated=np.array([ep.truncated for ep in episodes]),
+        old_logp=logp,
+        boundary_mask=boundary_mask,
+        step_keys=step_keys,
+    )
+    info = [
+        {
+            "success": ep.success,
+            "reward": ep.total_reward,
+            "turns": ep.turns,
+            "tokens": len(ep.tokens),
+            "truncated": ep.truncated,
+            "errors": ep.errors,
+            **{k: v for k, v in ep.last_info.items() if k in ("evidence_recall", "f1")},
+        }
+        for ep in episodes
+    ]
+    return Rollouts(batch, boundary_lengths, answers, info, time.perf_counter() - t0)

@@ -1,0 +1,114 @@
+"""Environments and the rollout loop: scripted policies, hostile outputs, token accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import envs
+from envs.rollout import collect
+from envs.scripted import ScriptedPolicy
+from mpo_jax.batch import num_turns, validate
+
+
+def nav_batch(n=12, act=None, seed=0, **options):
+    batch_envs = [envs.make("synthetic-nav", seed=seed + i, **options) for i in range(n)]
+    codec = batch_envs[0].codec
+    act = act or (lambda i: batch_envs[i].optimal_turn())
+    policy = ScriptedPolicy(codec, act)
+    out = collect(
+        batch_envs,
+        codec,
+        policy,
+        group_ids=[i // 4 for i in range(n)],
+        max_len=64,
+        max_new_tokens=batch_envs[0].turn_length,
+    )
+    return out, batch_envs, codec, policy
+
+
+def test_registry_lists_and_rejects():
+    assert "synthetic-nav" in envs.list_envs()
+    with pytest.raises(ValueError, match=r"unknown environment 'nav'; choose one of \["):
+        envs.make("nav")
+
+
+def test_scripted_optimal_policy_always_succeeds():
+    out, *_ = nav_batch(n=24)
+    assert all(ep["success"] for ep in out.episodes)
+    assert out.batch.rewards.sum() == 24
+
+
+def test_scripted_wrong_policy_gets_nothing():
+    out, *_ = nav_batch(act=lambda i: "s0 s0")  # never names an exit
+    assert not any(ep["success"] for ep in out.episodes)
+    assert out.batch.rewards.sum() == 0
+    assert all(ep["truncated"] for ep in out.episodes)  # the turn limit ends them
+
+
+def test_random_policy_succeeds_sometimes():
+    rng = np.random.default_rng(0)
+    out, *_ = nav_batch(n=200, act=lambda i: f"s0 e{rng.integers(0, 4)}")
+    rate = np.mean([ep["success"] for ep in out.episodes])
+    assert 0.05 < rate < 0.8, rate
+
+
+def test_hostile_outputs_never_raise():
+    rng = np.random.default_rng(1)
+    env = envs.make("synthetic-nav", seed=0)
+    env.reset()
+    for text in [
+        "",
+        " ",
+        "e99",
+        "e-1",
+        "r3",
+        "<bos> <eot>",
+        "é\x00\uffff",
+        "e" * 10_000,
+        "".join(map(chr, rng.integers(0, 0x2FFF, size=300))),
+    ]:
+        obs, reward, terminated, truncated, info = env.step(text)
+        assert isinstance(obs.user, str) and reward in (0.0, 1.0)
+        if terminated or truncated:
+            env.reset()
+
+
+def test_token_accounting():
+    rng = np.random.default_rng(2)
+    out, batch_envs, codec, policy = nav_batch(
+        act=lambda i: f"s{rng.integers(0, 1)} e{rng.integers(0, 4)}"
+    )
+    b = out.batch
+    validate(b, vocab_size=codec.vocab_size)
+    for i in range(len(batch_envs)):
+        n = int(out.episodes[i]["tokens"])
+        # decoding the batch's tokens reproduces the conversation the policy saw
+        assert b.tokens[i, :n].tolist() == policy.history[i][:n]
+        assert not b.loss_mask[i, n:].any()
+        # loss_mask is True exactly on sampled tokens: every turn is turn_length tokens
+        turns = out.episodes[i]["turns"]
+        assert b.loss_mask[i].sum() == turns * batch_envs[i].turn_length
+        assert int(num_turns(b.loss_mask, b.turn_ids)[i]) == turns
+        assert (b.step_keys[i, :turns] >= 0).all()
+        # boundaries: the prompt, then one after each turn that got an observation
+        lengths = out.boundary_lengths[i][b.boundary_mask[i]]
+        assert lengths[0] == codec.prompt(batch_envs[i].reset()).__len__() or lengths[0] > 0
+        assert np.all(np.diff(lengths) > 0)
+    # the outcome sits on the last action token
+    rows = np.nonzero(b.rewards.sum(1))[0]
+    for i in rows:
+        last = np.nonzero(b.loss_mask[i])[0][-1]
+        assert b.rewards[i, last] == 1.0
+
+
+def test_length_budget_truncates_instead_of_crashing():
+    batch_envs = [
+        envs.make("synthetic-nav", seed=i, max_turns=20, max_distance=3) for i in range(4)
+    ]
+    codec = batch_envs[0].codec
+    policy = ScriptedPolicy(codec, lambda i: "s0 s0")
+    out = collect(batch_envs, codec, policy, group_ids=[0, 0, 1, 1], max_len=20, max_new_tokens=2)
+    assert all(ep["truncated"] for ep in out.episodes)
+    assert all(ep["tokens"] <= 20 for ep in out.episodes)
+    validate(out.batch)
