@@ -166,7 +166,13 @@ class ChatFormat:
         )
         return self.encode(text)
 
-    def observation(self, tool_responses: Sequence[str] = (), user: str | None = None) -> list[int]:
+    def observation(self, obs) -> list[int]:
+        """The codec interface of ``envs.rollout``: ids of an ``envs.base.Observation``."""
+        return self.observation_ids(obs.tool_responses, obs.user)
+
+    def observation_ids(
+        self, tool_responses: Sequence[str] = (), user: str | None = None
+    ) -> list[int]:
         """What follows an assistant turn that ended with ``<|im_end|>``: the template's newline,
         a user turn holding the tool responses (``<tool_response>`` blocks) and/or a user message,
         and the next generation prompt."""
