@@ -1,0 +1,166 @@
+"""The device side of the RL step: scoring (log-probs, values, TRACE answer log-probs) and the
+jitted actor and critic updates.
+
+Everything here is a pure function of parameter pytrees and arrays; models enter as nnx graphdefs
+(``nnx.split``) so that ``jax.jit`` sees plain pytrees. Conventions on [B, T] token arrays:
+
+* ``logp[b, t] = log π(tokens[b, t] | tokens[b, :t])`` at temperature τ (0 at t = 0);
+* ``values[b, t] = V(tokens[b, :t])``, the critic's value of the state before token t, read from
+  the hidden state at t - 1 (0 at t = 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from kernels.logprobs import logprobs_and_entropy
+from mpo_jax import losses
+from mpo_jax.algorithms import Algorithm
+
+__all__ = [
+    "Models",
+    "make_optimizer",
+    "token_logprobs",
+    "token_values",
+    "answer_logprobs",
+    "UpdateFns",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """Graph definitions of the actor (a causal LM) and the critic (a value model)."""
+
+    actor: Any
+    critic: Any
+
+
+def make_optimizer(lr: float, *, warmup: int, clip: float, weight_decay: float):
+    """AdamW with linear warmup and global-norm clipping."""
+    schedule = optax.linear_schedule(0.0, lr, max(1, warmup))
+    return optax.chain(
+        optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)
+    )
+
+
+def _shift_right(x):
+    return jnp.pad(x[:, :-1], ((0, 0), (1, 0)))
+
+
+def token_logprobs(graphdef, params, tokens, *, temperature: float = 1.0):
+    """(logp, entropy), each [B, T] float32, under the actor at ``temperature``."""
+    model = nnx.merge(graphdef, params)
+    hidden = model.model(tokens)
+    weight, axis = model.lm_head()
+    logp, ent = logprobs_and_entropy(
+        hidden[:, :-1], weight, tokens[:, 1:], temperature=temperature, vocab_axis=axis
+    )
+    pad = ((0, 0), (1, 0))
+    return jnp.pad(logp, pad), jnp.pad(ent, pad)
+
+
+def token_values(graphdef, params, tokens):
+    """[B, T] values of the state before each token."""
+    model = nnx.merge(graphdef, params)
+    return _shift_right(model(tokens))
+
+
+def answer_logprobs(graphdef, params, tokens, prefix_lengths, answer, answer_len):
+    """TRACE's ℓ̄: mean log-prob of the gold answer after each prefix, by the reference model.
+
+    Args:
+      tokens: [N, T] conversations; prefix_lengths: [N] how many of them form the prefix.
+      answer: [N, A] answer ids (padded); answer_len: [N] their lengths (>= 1).
+
+    Returns:
+      [N] mean per-token log-probs of the answer given the prefix.
+    """
+    n, t = tokens.shape
+    a = answer.shape[1]
+    seq = jnp.concatenate([tokens, jnp.zeros((n, a), tokens.dtype)], axis=1)
+    cols = jnp.arange(a)[None] + prefix_lengths[:, None]
+    seq = jax.vmap(lambda s, c, x: s.at[c].set(x))(seq, cols, answer)
+    model = nnx.merge(graphdef, params)
+    positions = jnp.broadcast_to(jnp.arange(t + a, dtype=jnp.int32), (n, t + a))
+    valid = positions < (prefix_lengths + answer_len)[:, None]
+    hidden = model.model(seq, positions, valid)
+    weight, axis = model.lm_head()
+    prev = jnp.take_along_axis(hidden, (cols - 1)[:, :, None], axis=1)  # predicts each answer id
+    logp, _ = logprobs_and_entropy(prev, weight, answer, vocab_axis=axis)
+    present = jnp.arange(a)[None] < answer_len[:, None]
+    return jnp.sum(jnp.where(present, logp, 0), axis=1) / jnp.maximum(answer_len, 1)
+
+
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+class UpdateFns:
+    """Jitted loss-and-gradient functions and the guarded optimizer step for one preset."""
+
+    def __init__(self, models: Models, algo: Algorithm, actor_tx, critic_tx, *, temperature):
+        self.models, self.algo = models, algo
+        self.actor_tx, self.critic_tx = actor_tx, critic_tx
+        self.temperature = temperature
+        self.actor_grad = jax.jit(jax.value_and_grad(self._actor_loss, has_aux=True))
+        self.critic_grad = jax.jit(jax.value_and_grad(self._critic_loss, has_aux=True))
+        self.apply = jax.jit(self._apply, static_argnums=(0,))
+
+    def _actor_loss(self, params, mb, normalizer, token_count):
+        logp, ent = token_logprobs(
+            self.models.actor, params, mb["tokens"], temperature=self.temperature
+        )
+        loss, metrics = losses.policy_loss(
+            logp,
+            mb["old_logp"],
+            mb["advantages"],
+            mb["loss_mask"],
+            mb["turn_ids"],
+            normalizer=normalizer,
+            **self.algo.policy_loss_kwargs(),
+        )
+        mask = mb["loss_mask"]
+        metrics["entropy_sum"] = jnp.sum(jnp.where(mask, ent, 0))
+        if self.algo.kl_coef and not self.algo.kl_in_reward:
+            kl = losses.kl_penalty(logp, mb["ref_logp"], mask, kind=self.algo.kl_kind)
+            kl_sum = jnp.sum(kl)
+            loss = loss + self.algo.kl_coef * kl_sum / token_count
+            metrics["kl_sum"] = kl_sum
+        return loss, metrics
+
+    def _critic_loss(self, params, mb, normalizer):
+        values = token_values(self.models.critic, params, mb["tokens"])
+        loss, metrics = losses.value_loss(
+            values,
+            mb["values"],
+            mb["returns"],
+            mb["loss_mask"],
+            mb["turn_ids"],
+            clip=self.algo.value_clip,
+            normalizer=normalizer,
+        )
+        return loss, metrics
+
+    def _apply(self, which, params, opt_state, grads, loss):
+        """One optimizer step, skipped (parameters and state unchanged) if anything is not
+        finite. Returns (params, opt_state, applied, grad_norm)."""
+        tx = self.actor_tx if which == "actor" else self.critic_tx
+        ok = _all_finite(grads) & jnp.isfinite(loss)
+        safe = jax.tree.map(lambda g: jnp.where(ok, g, 0), grads)
+        updates, new_state = tx.update(safe, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        return keep(new_params, params), keep(new_state, opt_state), ok, optax.global_norm(safe)
+
+
+def split_micro(batch: dict[str, np.ndarray], rows: np.ndarray, parts: int):
+    """Splits the rows of a minibatch into ``parts`` micro-batches of arrays."""
+    for chunk in np.array_split(rows, parts):
+        yield {k: v[chunk] for k, v in batch.items()}

@@ -1,0 +1,66 @@
+"""Run observability: ``metrics.jsonl`` (one JSON object per step), TensorBoard event files
+(tensorboardX) beside it, a progress bar with the live success rate, and unbiased pass@k."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+__all__ = ["MetricsLog", "pass_at_k", "read_metrics"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: ``1 - C(n - c, k) / C(n, k)``
+    (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLog:
+    """Appends to ``metrics.jsonl``; on resume, drops the lines of steps after the checkpoint
+    (they will be run again), so the file never holds a step twice."""
+
+    def __init__(self, run_dir: Path, *, start_step: int, progress: bool, total: int):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        kept = [m for m in read_metrics(run_dir) if m.get("step", 0) <= start_step]
+        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        self.file = open(self.path, "a")  # noqa: SIM115 (closed in close())
+        self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+        self.bar = tqdm(total=total, initial=start_step, disable=not progress, dynamic_ncols=True)
+
+    def write(self, metrics: dict[str, Any]) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        step = metrics["step"]
+        for key, value in metrics.items():
+            if key != "step" and isinstance(value, int | float):
+                self.tb.add_scalar(key, value, step)
+        shown = {"success": f"{metrics['success_rate']:.2f}"}
+        if "eval_success_rate" in metrics:
+            shown["eval"] = f"{metrics['eval_success_rate']:.2f}"
+        self.bar.set_postfix(shown)
+        self.bar.update(1)
+
+    def flush(self) -> None:
+        self.file.flush()
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+        self.tb.close()
