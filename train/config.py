@@ -33,8 +33,8 @@ class TrainConfig:
     heads: int = 4
     kv_heads: int = 2
     # Rollouts
-    steps: int = 300
-    prompts_per_step: int = 32
+    steps: int = 400
+    prompts_per_step: int = 64
     group_size: int = 4
     max_len: int = 48
     max_new_tokens: int = 0  # 0: the environment's turn length
@@ -45,11 +45,12 @@ class TrainConfig:
     warmup_steps: int = 10
     grad_clip: float = 1.0
     weight_decay: float = 0.0
+    entropy_coef: float = 0.01  # an entropy bonus on action tokens (0: none)
     epochs: int = 1
     minibatches: int = 2
     micro_batches: int = 1
     # Evaluation, checkpoints, logging
-    eval_every: int = 50
+    eval_every: int = 100
     eval_episodes: int = 64
     eval_k: int = 4
     checkpoint_every: int = 25

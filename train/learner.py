@@ -105,8 +105,18 @@ def _all_finite(tree) -> jax.Array:
 class UpdateFns:
     """Jitted loss-and-gradient functions and the guarded optimizer step for one preset."""
 
-    def __init__(self, models: Models, algo: Algorithm, actor_tx, critic_tx, *, temperature):
+    def __init__(
+        self,
+        models: Models,
+        algo: Algorithm,
+        actor_tx,
+        critic_tx,
+        *,
+        temperature,
+        entropy_coef: float = 0.0,
+    ):
         self.models, self.algo = models, algo
+        self.entropy_coef = entropy_coef
         self.actor_tx, self.critic_tx = actor_tx, critic_tx
         self.temperature = temperature
         self.actor_grad = jax.jit(jax.value_and_grad(self._actor_loss, has_aux=True))
@@ -128,6 +138,8 @@ class UpdateFns:
         )
         mask = mb["loss_mask"]
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, ent, 0))
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * metrics["entropy_sum"] / token_count
         if self.algo.kl_coef and not self.algo.kl_in_reward:
             kl = losses.kl_penalty(logp, mb["ref_logp"], mask, kind=self.algo.kl_kind)
             kl_sum = jnp.sum(kl)
