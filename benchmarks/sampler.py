@@ -29,6 +29,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=0, help="0: width / heads")
+    p.add_argument("--mlp", type=int, default=0, help="MLP width; 0: 3 x width")
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=128)
@@ -40,11 +42,11 @@ def main() -> None:
     cfg = ModelConfig(
         vocab_size=args.vocab,
         hidden_size=args.width,
-        intermediate_size=3 * args.width,
+        intermediate_size=args.mlp or 3 * args.width,
         num_layers=args.layers,
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
-        head_dim=args.width // args.heads,
+        head_dim=args.head_dim or args.width // args.heads,
         rope_theta=1e6,
         tie_word_embeddings=True,
         dtype=dtype,
