@@ -32,6 +32,8 @@ class TrainConfig:
     width: int = 64
     heads: int = 4
     kv_heads: int = 2
+    # Parallelism: "data,fsdp,tensor" mesh shape over this host's devices ("": one device)
+    mesh: str = ""
     # Rollouts
     steps: int = 400
     prompts_per_step: int = 64
@@ -61,6 +63,14 @@ class TrainConfig:
     progress: bool = True
     algo_set: dict[str, Any] = dataclasses.field(default_factory=dict)
     env_set: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def mesh_shape(self) -> tuple[int, int, int] | None:
+        if not self.mesh:
+            return None
+        parts = [int(x) for x in self.mesh.split(",")]
+        if len(parts) != 3:
+            raise ValueError(f"mesh: expected 'data,fsdp,tensor', got {self.mesh!r}")
+        return tuple(parts)
 
     def __post_init__(self):
         if self.prompts_per_step < 1 or self.group_size < 1:

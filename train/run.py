@@ -61,6 +61,14 @@ class Trainer:
         critic = Qwen3ValueModel.from_policy(actor, rngs=nnx.Rngs(cfg.seed + 1))
         actor_def, actor_params = nnx.split(actor)
         critic_def, critic_params = nnx.split(critic)
+        self.mesh = None
+        if cfg.mesh_shape():
+            from train.sharding import make_mesh, shard_params
+
+            data, fsdp, tensor = cfg.mesh_shape()
+            self.mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+            actor_params = shard_params(actor_params, self.mesh)
+            critic_params = shard_params(critic_params, self.mesh)
         self.models = Models(actor_def, critic_def)
         opt = dict(warmup=cfg.warmup_steps, clip=cfg.grad_clip, weight_decay=cfg.weight_decay)
         actor_tx = make_optimizer(cfg.lr, **opt)
@@ -72,8 +80,8 @@ class Trainer:
             "actor": actor_params,
             "critic": critic_params,
             "ref": jax.tree.map(jnp.copy, actor_params),
-            "actor_opt": actor_tx.init(actor_params),
-            "critic_opt": critic_tx.init(critic_params),
+            "actor_opt": jax.jit(actor_tx.init)(actor_params),  # follows the params' sharding
+            "critic_opt": jax.jit(critic_tx.init)(critic_params),
             "step": 0,
         }
         self.batch_size = cfg.prompts_per_step * cfg.group_size
@@ -222,6 +230,10 @@ class Trainer:
         for which, grad_fn, extra in jobs:
             grads, loss, metrics = None, 0.0, {}
             for micro in split_micro(mb, rows, parts):
+                if self.mesh is not None:
+                    from train.sharding import batch_sharding
+
+                    micro = jax.device_put(micro, batch_sharding(self.mesh))
                 (micro_loss, m), g = grad_fn(self.state[which], micro, *extra)
                 grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
                 loss = loss + micro_loss

@@ -129,8 +129,9 @@ def load_pretrained(
     Args:
       path: folder with ``config.json`` and ``*.safetensors``.
       dtype: the activations' dtype; param_dtype: the parameters' dtype.
-      shardings: optional pytree of ``jax.sharding.Sharding`` matching ``nnx.state(model)``;
-        each tensor is placed with its sharding as it is read.
+      shardings: optional ``{parameter path: jax.sharding.Sharding}`` (e.g.
+        ``train.sharding.param_shardings`` of the abstract model); each tensor is placed with
+        its sharding as it is read.
       model_cls: :class:`Qwen3ForCausalLM` (default) or another class with the same parameters.
 
     Raises:
@@ -142,13 +143,13 @@ def load_pretrained(
     abstract = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
-    placements = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+    placements = dict(shardings) if shardings is not None else {}
 
     def place(key, array):
         sharding = placements.get(key)
         value = jnp.asarray(array, dtype=param_dtype)
         if sharding is not None:
-            value = jax.device_put(value, getattr(sharding, "value", sharding))
+            value = jax.device_put(value, sharding)
         flat[key] = flat[key].replace(value)
 
     expected = {k for k, v in flat.items() if isinstance(v, nnx.Param)}

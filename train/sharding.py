@@ -1,0 +1,101 @@
+"""Sharding as a table of rules: logical axis names on parameters -> axes of a device mesh.
+
+Every parameter of ``train.qwen3`` carries logical names (``vocab``, ``embed``, ``heads``,
+``kv_heads``, ``mlp``, ``expert``); :data:`DEFAULT_RULES` maps them onto a mesh with axes
+(``data``, ``fsdp``, ``tensor``, ``expert``). Changing the parallelism layout is a change of the
+mesh shape or of the rules, not of the model code (MaxText's idea). A dimension that its mesh axes
+do not divide is replicated instead.
+
+Meshes use ``AxisType.Auto``: JAX's default Explicit axes make tensor-parallel contractions in
+``nnx.Linear`` raise ``ShardingTypeError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+__all__ = [
+    "DEFAULT_RULES",
+    "MESH_AXES",
+    "make_mesh",
+    "param_shardings",
+    "shard_params",
+    "batch_sharding",
+]
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, expert: int = 1, devices=None):
+    """A mesh over ``devices`` (default: all); ``-1`` for data takes what the others leave."""
+    devices = list(jax.devices() if devices is None else devices)
+    rest = fsdp * tensor * expert
+    if data == -1:
+        if len(devices) % rest:
+            raise ValueError(
+                f"mesh: {len(devices)} devices are not divisible by fsdp x tensor x expert = {rest}"
+            )
+        data = len(devices) // rest
+    shape = (data, fsdp, tensor, expert)
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(
+            f"mesh: shape {dict(zip(MESH_AXES, shape, strict=True))} needs "
+            f"{int(np.prod(shape))} devices, have {len(devices)}"
+        )
+    grid = np.asarray(devices).reshape(shape)
+    return jax.sharding.Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _spec(names: Sequence[str | None], shape, mesh, rules) -> PartitionSpec:
+    table = dict(rules)
+    out = []
+    for name, size in zip(names, shape, strict=True):
+        axes = table.get(name) if name else None
+        if axes is None:
+            out.append(None)
+            continue
+        axes_t = (axes,) if isinstance(axes, str) else tuple(axes)
+        ways = int(np.prod([mesh.shape[a] for a in axes_t]))
+        out.append(axes if size % ways == 0 and ways > 1 else None)
+    return PartitionSpec(*out)
+
+
+def param_shardings(state: nnx.State, mesh, rules=DEFAULT_RULES) -> dict[tuple, NamedSharding]:
+    """``{parameter path: NamedSharding}`` for an ``nnx.State`` of parameters (abstract or not)."""
+    out = {}
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        names = var.get_metadata().get("out_sharding") or (None,) * len(value.shape)
+        out[path] = NamedSharding(mesh, _spec(names, value.shape, mesh, rules))
+    return out
+
+
+def shard_params(state: nnx.State, mesh, rules=DEFAULT_RULES) -> nnx.State:
+    """``state`` placed on the mesh by the rules."""
+    shardings = param_shardings(state, mesh, rules)
+    return nnx.from_flat_state(
+        [
+            (path, var.replace(jax.device_put(var.get_value(), shardings[path])))
+            for path, var in nnx.to_flat_state(state)
+        ]
+    )
+
+
+def batch_sharding(mesh, rules=DEFAULT_RULES) -> NamedSharding:
+    """Rows of a batch split over the data-parallel axes."""
+    return NamedSharding(mesh, PartitionSpec(dict(rules)["batch"]))
