@@ -93,6 +93,17 @@ def reverse_scans_time_major(
     return list(ys)
 
 
+def _scan_along(a, c, init, axis, method, forward, name):
+    a = jnp.asarray(a)
+    c = jnp.asarray(c, a.dtype)
+    if a.shape != c.shape:
+        raise ValueError(f"{name}: a has shape {a.shape}, c has shape {c.shape}")
+    a_tm, c_tm = jnp.moveaxis(a, axis, 0), jnp.moveaxis(c, axis, 0)
+    init = jnp.broadcast_to(jnp.asarray(init, a.dtype), a_tm.shape[1:])
+    (y,) = reverse_scans_time_major([(a_tm, c_tm, init)], method=method, forward=forward)
+    return jnp.moveaxis(y, 0, axis)
+
+
 def reverse_linear_scan(
     a: jax.typing.ArrayLike,
     c: jax.typing.ArrayLike,
@@ -118,14 +129,7 @@ def reverse_linear_scan(
       >>> reverse_linear_scan(jnp.array([1.0, 1.0, 1.0]), jnp.array([0.5, 0.5, 0.5]))
       Array([1.75, 1.5 , 1.  ], dtype=float32)
     """
-    a = jnp.asarray(a)
-    c = jnp.asarray(c, a.dtype)
-    if a.shape != c.shape:
-        raise ValueError(f"reverse_linear_scan: a has shape {a.shape}, c has shape {c.shape}")
-    a_tm, c_tm = jnp.moveaxis(a, axis, 0), jnp.moveaxis(c, axis, 0)
-    init = jnp.broadcast_to(jnp.asarray(init, a.dtype), a_tm.shape[1:])
-    (y,) = reverse_scans_time_major([(a_tm, c_tm, init)], method=method)
-    return jnp.moveaxis(y, 0, axis)
+    return _scan_along(a, c, init, axis, method, False, "reverse_linear_scan")
 
 
 def forward_linear_scan(
@@ -143,11 +147,4 @@ def forward_linear_scan(
       >>> forward_linear_scan(jnp.array([1.0, 1.0, 1.0]), jnp.array([0.5, 0.5, 0.5]))
       Array([1.  , 1.5 , 1.75], dtype=float32)
     """
-    a = jnp.asarray(a)
-    c = jnp.asarray(c, a.dtype)
-    if a.shape != c.shape:
-        raise ValueError(f"forward_linear_scan: a has shape {a.shape}, c has shape {c.shape}")
-    a_tm, c_tm = jnp.moveaxis(a, axis, 0), jnp.moveaxis(c, axis, 0)
-    init = jnp.broadcast_to(jnp.asarray(init, a.dtype), a_tm.shape[1:])
-    (y,) = reverse_scans_time_major([(a_tm, c_tm, init)], method=method, forward=True)
-    return jnp.moveaxis(y, 0, axis)
+    return _scan_along(a, c, init, axis, method, True, "forward_linear_scan")

@@ -104,47 +104,33 @@ def test_missing_turn_id_on_action_token_rule():
         B.validate(with_(b, turn_ids=tid))
 
 
-def test_turn_ids_that_skip_rule():
-    m = np.array([[0, 1, 1, 0, 1, 0]], bool)
-    tid = np.array([[-1, 0, 0, -1, 2, -1]], np.int32)
-    b = B.TurnBatch(
-        tokens=np.zeros((1, 6), np.int32),
+def one_row(mask, turn_ids) -> B.TurnBatch:
+    m = np.array([mask], bool)
+    t = m.shape[1]
+    return B.TurnBatch(
+        tokens=np.zeros((1, t), np.int32),
         loss_mask=m,
-        turn_ids=tid,
-        rewards=np.zeros((1, 6)),
+        turn_ids=np.array([turn_ids], np.int32),
+        rewards=np.zeros((1, t)),
         group_ids=np.zeros(1, np.int32),
         truncated=np.zeros(1, bool),
     )
+
+
+def test_turn_ids_that_skip_rule():
+    b = one_row([0, 1, 1, 0, 1, 0], [-1, 0, 0, -1, 2, -1])
     with pytest.raises(ValueError, match=r"turn_ids\[0\]: turn 2 follows turn 0 at position 4"):
         B.validate(b)
 
 
 def test_turn_ids_that_go_back_rule():
-    m = np.array([[0, 1, 1, 0, 1, 1]], bool)
-    tid = np.array([[-1, 0, 1, -1, 0, 1]], np.int32)
-    b = B.TurnBatch(
-        tokens=np.zeros((1, 6), np.int32),
-        loss_mask=m,
-        turn_ids=tid,
-        rewards=np.zeros((1, 6)),
-        group_ids=np.zeros(1, np.int32),
-        truncated=np.zeros(1, bool),
-    )
+    b = one_row([0, 1, 1, 0, 1, 1], [-1, 0, 1, -1, 0, 1])
     with pytest.raises(ValueError, match=r"turn_ids\[0\]: turn 0 follows turn 1 at position 4"):
         B.validate(b)
 
 
 def test_turn_ids_that_do_not_start_at_zero_rule():
-    m = np.array([[0, 1, 1]], bool)
-    tid = np.array([[-1, 1, 1]], np.int32)
-    b = B.TurnBatch(
-        tokens=np.zeros((1, 3), np.int32),
-        loss_mask=m,
-        turn_ids=tid,
-        rewards=np.zeros((1, 3)),
-        group_ids=np.zeros(1, np.int32),
-        truncated=np.zeros(1, bool),
-    )
+    b = one_row([0, 1, 1], [-1, 1, 1])
     with pytest.raises(ValueError, match=r"turn_ids\[0\]: the first action token .* turn 1"):
         B.validate(b)
 
