@@ -168,10 +168,9 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
         rewards[i, :n] = ep.rewards
         for j, key in enumerate(ep.keys[:k]):
             step_keys[i, j] = key_ids.setdefault(key, len(key_ids))
+        # TRACE's boundaries: the prompt, then one after each turn that got an observation.
         boundary_lengths[i, : len(ep.boundaries)] = ep.boundaries
         boundary_mask[i, : len(ep.boundaries)] = True
-    # Only boundaries crossed by a tool call count for TRACE: the prompt, then one per turn that
-    # was followed by an observation.
     answers = [codec.encode(env.gold_answer) if env.gold_answer else [] for env in envs]
     batch = TurnBatch(
         tokens=tokens,

@@ -120,7 +120,7 @@ class Trainer:
     def _envs(self, step: int, prompts: int, group: int, *, offset: int = 0):
         """The episodes of one step: ``prompts`` tasks x ``group`` rollouts each. The task seeds
         are a function of (seed, step) alone, so a resumed run sees the same data."""
-        base = offset + (self.cfg.seed * 1_000_003 + step * prompts) * 1
+        base = offset + self.cfg.seed * 1_000_003 + step * prompts
         out, groups = [], []
         for p in range(prompts):
             for _ in range(group):
@@ -262,7 +262,8 @@ class Trainer:
         """Held-out tasks (a seed range training never uses): success rate and unbiased pass@k."""
         cfg = self.cfg
         k = cfg.eval_k
-        batch_envs, groups = self._envs(0, cfg.eval_episodes, k, offset=10**9 + step * 0)
+        # The same held-out tasks at every evaluation, so the numbers are comparable.
+        batch_envs, groups = self._envs(0, cfg.eval_episodes, k, offset=10**9)
         if self.eval_sampler is None:
             self.eval_sampler = Sampler(
                 nnx.merge(self.models.actor, self.state["actor"]),
