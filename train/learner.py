@@ -169,7 +169,7 @@ class UpdateFns:
         updates, new_state = tx.update(safe, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-        return keep(new_params, params), keep(new_state, opt_state), ok, optax.global_norm(safe)
+        return keep(new_params, params), keep(new_state, opt_state), ok, optax.tree.norm(safe)
 
 
 def split_micro(batch: dict[str, np.ndarray], rows: np.ndarray, parts: int):

@@ -133,63 +133,30 @@ class Sampler:
         self.lengths = np.zeros(batch_size, np.int32)
         self.next_logits = jnp.zeros((batch_size, self.cfg.vocab_size), jnp.float32)
 
-    # -- jitted pieces ------------------------------------------------------------------------
+    # -- jitted pieces (module level, keyed on the graphdef: samplers of equal models share
+    # their compiled programs) ---------------------------------------------------------------
 
-    @functools.partial(jax.jit, static_argnums=(0,))
     def _extend(self, state, cache, ids, offsets, n_new, old_logits):
-        model = nnx.merge(self.graphdef, state)
-        logits, cache = model.extend(ids, offsets, n_new, cache)
-        logits = jnp.where((n_new > 0)[:, None], logits, old_logits)
-        return logits, cache
+        return _extend_jit(self.graphdef, state, cache, ids, offsets, n_new, old_logits)
 
-    @functools.partial(jax.jit, static_argnums=(0, 7, 8, 9, 10))
     def _decode(
-        self,
-        state,
-        cache,
-        lengths,
-        logits,
-        active,
-        key,
-        steps,
-        temperature,
-        top_k,
-        top_p,
-        stop_ids,
+        self, state, cache, lengths, logits, active, key, steps, temperature, top_k, top_p, stop_ids
     ):
-        model = nnx.merge(self.graphdef, state)
-        b = lengths.shape[0]
-        limit = jnp.int32(self.capacity)
-        stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
-
-        def cond(carry):
-            step, _, _, _, done, *_ = carry
-            return (step < steps) & ~jnp.all(done)
-
-        def body(carry):
-            step, cache, lengths, logits, done, stopped, key, out, out_lp = carry
-            key, sub = jax.random.split(key)
-            token, logp = _sample(logits, sub, temperature, top_k, top_p)
-            live = ~done
-            out = out.at[:, step].set(jnp.where(live, token, -1))
-            out_lp = out_lp.at[:, step].set(jnp.where(live, logp, 0.0))
-            is_stop = jnp.any(token[:, None] == stops[None], axis=-1) & live
-            n_new = live.astype(jnp.int32)
-            new_logits, cache = model.extend(token[:, None], lengths, n_new, cache)
-            logits = jnp.where(live[:, None], new_logits, logits)
-            lengths = lengths + n_new
-            stopped = stopped | is_stop
-            done = done | is_stop | (lengths >= limit)
-            return step + 1, cache, lengths, logits, done, stopped, key, out, out_lp
-
-        out = jnp.full((b, steps), -1, jnp.int32)
-        out_lp = jnp.zeros((b, steps), jnp.float32)
-        done = ~active | (lengths >= limit)
-        carry = (jnp.int32(0), cache, lengths, logits, done, jnp.zeros(b, bool), key, out, out_lp)
-        _, cache, lengths, logits, _, stopped, _, out, out_lp = jax.lax.while_loop(
-            cond, body, carry
+        return _decode_jit(
+            self.graphdef,
+            self.capacity,
+            state,
+            cache,
+            lengths,
+            logits,
+            active,
+            key,
+            steps,
+            temperature,
+            top_k,
+            top_p,
+            stop_ids,
         )
-        return cache, lengths, logits, stopped, out, out_lp
 
     # -- host API ------------------------------------------------------------------------------
 
@@ -283,6 +250,63 @@ class Sampler:
             tokens.append(out[i, :n].tolist())
             logprobs.append(out_lp[i, :n].tolist())
         return Generation(tokens, logprobs, np.asarray(stopped).tolist())
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _extend_jit(graphdef, state, cache, ids, offsets, n_new, old_logits):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.extend(ids, offsets, n_new, cache)
+    logits = jnp.where((n_new > 0)[:, None], logits, old_logits)
+    return logits, cache
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 8, 9, 10, 11, 12))
+def _decode_jit(
+    graphdef,
+    capacity,
+    state,
+    cache,
+    lengths,
+    logits,
+    active,
+    key,
+    steps,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+):
+    model = nnx.merge(graphdef, state)
+    b = lengths.shape[0]
+    limit = jnp.int32(capacity)
+    stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+
+    def cond(carry):
+        step, _, _, _, done, *_ = carry
+        return (step < steps) & ~jnp.all(done)
+
+    def body(carry):
+        step, cache, lengths, logits, done, stopped, key, out, out_lp = carry
+        key, sub = jax.random.split(key)
+        token, logp = _sample(logits, sub, temperature, top_k, top_p)
+        live = ~done
+        out = out.at[:, step].set(jnp.where(live, token, -1))
+        out_lp = out_lp.at[:, step].set(jnp.where(live, logp, 0.0))
+        is_stop = jnp.any(token[:, None] == stops[None], axis=-1) & live
+        n_new = live.astype(jnp.int32)
+        new_logits, cache = model.extend(token[:, None], lengths, n_new, cache)
+        logits = jnp.where(live[:, None], new_logits, logits)
+        lengths = lengths + n_new
+        stopped = stopped | is_stop
+        done = done | is_stop | (lengths >= limit)
+        return step + 1, cache, lengths, logits, done, stopped, key, out, out_lp
+
+    out = jnp.full((b, steps), -1, jnp.int32)
+    out_lp = jnp.zeros((b, steps), jnp.float32)
+    done = ~active | (lengths >= limit)
+    carry = (jnp.int32(0), cache, lengths, logits, done, jnp.zeros(b, bool), key, out, out_lp)
+    _, cache, lengths, logits, _, stopped, _, out, out_lp = jax.lax.while_loop(cond, body, carry)
+    return cache, lengths, logits, stopped, out, out_lp
 
 
 def generate(
