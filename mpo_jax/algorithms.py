@@ -187,6 +187,19 @@ def _require(algo: Algorithm, batch: TurnBatch, *fields: str) -> None:
             raise ValueError(f"{algo.name}: batch.{f} is required by this preset but is None")
 
 
+def _trace_credit(algo: Algorithm, batch: TurnBatch) -> jax.Array:
+    """TRACE's per-turn credit [B, M-1] with the preset's settings."""
+    _require(algo, batch, "boundary_mask", "answer_logprobs")
+    return adv.trace_turn_credit(
+        batch.answer_logprobs,
+        batch.boundary_mask,
+        eps=algo.trace_eps,
+        horizon=algo.trace_horizon,
+        gamma=algo.trace_gamma,
+        normalize=algo.trace_normalize,
+    )
+
+
 def compute_advantages(
     algo: Algorithm, batch: TurnBatch, *, need_returns: bool | None = None
 ) -> Credit:
@@ -222,15 +235,7 @@ def compute_advantages(
         if batch.bootstrap_values is not None:
             boot = jnp.where(jnp.asarray(batch.truncated, bool), batch.bootstrap_values, 0)
         if algo.estimator == "mpo_trace":
-            _require(algo, batch, "boundary_mask", "answer_logprobs")
-            credit = adv.trace_turn_credit(
-                batch.answer_logprobs,
-                batch.boundary_mask,
-                eps=algo.trace_eps,
-                horizon=algo.trace_horizon,
-                gamma=algo.trace_gamma,
-                normalize=algo.trace_normalize,
-            )
+            credit = _trace_credit(algo, batch)
             turn_rewards = place_on_turn_ends(credit, mask, batch.turn_ids)
             rewards = rewards + algo.alpha_turn * turn_rewards.astype(dtype)
         gae = dict(bootstrap_value=boot)
@@ -286,15 +291,7 @@ def compute_advantages(
     if algo.estimator == "group":
         return Credit(broadcast_trajectory_values(outcome, mask), None, rewards)
 
-    _require(algo, batch, "boundary_mask", "answer_logprobs")  # trace
-    credit = adv.trace_turn_credit(
-        batch.answer_logprobs,
-        batch.boundary_mask,
-        eps=algo.trace_eps,
-        horizon=algo.trace_horizon,
-        gamma=algo.trace_gamma,
-        normalize=algo.trace_normalize,
-    )
+    credit = _trace_credit(algo, batch)  # trace
     advantages = adv.trace_turn_advantages(
         outcome,
         credit,
