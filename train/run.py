@@ -44,6 +44,7 @@ from train.learner import (
 from train.metrics import MetricsLog, pass_at_k
 from train.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
 from train.sampler import Sampler
+from train.sharding import batch_sharding, make_mesh, shard_params
 
 __all__ = ["main", "Trainer"]
 
@@ -61,12 +62,11 @@ class Trainer:
         critic = Qwen3ValueModel.from_policy(actor, rngs=nnx.Rngs(cfg.seed + 1))
         actor_def, actor_params = nnx.split(actor)
         critic_def, critic_params = nnx.split(critic)
-        self.mesh = None
+        self.mesh = self.micro_sharding = None
         if cfg.mesh_shape():
-            from train.sharding import make_mesh, shard_params
-
             data, fsdp, tensor = cfg.mesh_shape()
             self.mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+            self.micro_sharding = batch_sharding(self.mesh)
             actor_params = shard_params(actor_params, self.mesh)
             critic_params = shard_params(critic_params, self.mesh)
         self.models = Models(actor_def, critic_def)
@@ -230,10 +230,8 @@ class Trainer:
         for which, grad_fn, extra in jobs:
             grads, loss, metrics = None, 0.0, {}
             for micro in split_micro(mb, rows, parts):
-                if self.mesh is not None:
-                    from train.sharding import batch_sharding
-
-                    micro = jax.device_put(micro, batch_sharding(self.mesh))
+                if self.micro_sharding is not None:
+                    micro = jax.device_put(micro, self.micro_sharding)
                 (micro_loss, m), g = grad_fn(self.state[which], micro, *extra)
                 grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
                 loss = loss + micro_loss

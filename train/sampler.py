@@ -133,31 +133,6 @@ class Sampler:
         self.lengths = np.zeros(batch_size, np.int32)
         self.next_logits = jnp.zeros((batch_size, self.cfg.vocab_size), jnp.float32)
 
-    # -- jitted pieces (module level, keyed on the graphdef: samplers of equal models share
-    # their compiled programs) ---------------------------------------------------------------
-
-    def _extend(self, state, cache, ids, offsets, n_new, old_logits):
-        return _extend_jit(self.graphdef, state, cache, ids, offsets, n_new, old_logits)
-
-    def _decode(
-        self, state, cache, lengths, logits, active, key, steps, temperature, top_k, top_p, stop_ids
-    ):
-        return _decode_jit(
-            self.graphdef,
-            self.capacity,
-            state,
-            cache,
-            lengths,
-            logits,
-            active,
-            key,
-            steps,
-            temperature,
-            top_k,
-            top_p,
-            stop_ids,
-        )
-
     # -- host API ------------------------------------------------------------------------------
 
     def extend(self, rows: Sequence[Sequence[int] | None]) -> None:
@@ -189,7 +164,8 @@ class Sampler:
             part = np.clip(n_new - lo, 0, step).astype(np.int32)
             if not part.any():
                 break
-            self.next_logits, self.cache = self._extend(
+            self.next_logits, self.cache = _extend_jit(
+                self.graphdef,
                 self.state,
                 self.cache,
                 jnp.asarray(ids[:, lo : lo + step]),
@@ -229,7 +205,9 @@ class Sampler:
         if temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {temperature}")
         act = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)
-        self.cache, lengths, self.next_logits, stopped, out, out_lp = self._decode(
+        self.cache, lengths, self.next_logits, stopped, out, out_lp = _decode_jit(
+            self.graphdef,
+            self.capacity,
             self.state,
             self.cache,
             jnp.asarray(self.lengths),
@@ -250,6 +228,10 @@ class Sampler:
             tokens.append(out[i, :n].tolist())
             logprobs.append(out_lp[i, :n].tolist())
         return Generation(tokens, logprobs, np.asarray(stopped).tolist())
+
+
+# The jitted programs live at module level, keyed on the graphdef, so that samplers of equal
+# models share their compiled code.
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
