@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sampler.py
 	$(BIN)/python benchmarks/model.py
 	$(BIN)/python benchmarks/rollout.py
+	$(BIN)/python benchmarks/search.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

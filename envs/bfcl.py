@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from envs.base import Observation
-from envs.search.corpus import package_dir
+from envs.packages import package_dir
 from envs.tool_env import Response, ToolEnv
 from envs.tools import Tool, ToolBox, ToolResult, check_arguments
 
@@ -213,6 +213,24 @@ def _instantiate(task: BFCLTask) -> dict[str, Any]:
     return instances
 
 
+def _invoke(obj: Any, name: str, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """``obj.name(*args, **kwargs)`` on copies of the arguments and of every omitted mutable
+    default.
+
+    Backends keep argument lists in their state and extend them later
+    (``TwitterAPI.post_tweet(..., mentions=[])`` then ``mention``): without the copies, every
+    instance would grow one shared default list, and the gold calls' own literals would change,
+    so the episodes of a task alive at once would leak state into each other.
+    """
+    method = getattr(obj, name)
+    args, kwargs = copy.deepcopy(tuple(args)), copy.deepcopy(dict(kwargs or {}))
+    params = list(inspect.signature(method).parameters.values())
+    for p in params[len(args) :]:
+        if p.name not in kwargs and isinstance(p.default, (list, dict, set)):
+            kwargs[p.name] = copy.deepcopy(p.default)
+    return method(*args, **kwargs)
+
+
 def _result_text(value: Any) -> str:
     """A call's result as BFCL's checker records it (str as is, dict as JSON, else str())."""
     if isinstance(value, str):
@@ -277,7 +295,7 @@ class BFCLEnv(ToolEnv):
     def _caller(self, cls: str, name: str):
         def call(**kwargs):
             # rendered now: backends return references to their own lists, which later calls change
-            return _result_text(getattr(self.instances[cls], name)(**kwargs))
+            return _result_text(_invoke(self.instances[cls], name, (), kwargs))
 
         return call
 
@@ -300,7 +318,7 @@ class BFCLEnv(ToolEnv):
         for call in self.task.gold[turn]:
             cls = next(c for c in self.task.classes if hasattr(self.gold_instances[c], call.name))
             try:
-                value = getattr(self.gold_instances[cls], call.name)(*call.args, **call.kwargs)
+                value = _invoke(self.gold_instances[cls], call.name, call.args, call.kwargs)
                 out.append(_result_text(value))
             except Exception as e:  # noqa: BLE001  (recorded as BFCL records it)
                 out.append(f"Error during execution: {e}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-__all__ = ["ScriptedGeneration", "ScriptedPolicy"]
+__all__ = ["ScriptedGeneration", "ScriptedPolicy", "oracle_act"]
 
 
 @dataclasses.dataclass
@@ -47,3 +47,21 @@ class ScriptedPolicy:
         return ScriptedGeneration(
             tokens, [[0.0] * len(t) for t in tokens], [bool(stop_ids)] * len(tokens)
         )
+
+
+def oracle_act(env) -> Callable[[], str]:
+    """The environment's scripted optimal next turn, as a function of nothing (call it after
+    ``reset``): ``optimal_turn`` (synthetic), ``oracle_turn`` (bfcl), or the list of
+    ``oracle_turns`` (search, tau2) played in order, then plain replies."""
+    for name in ("optimal_turn", "oracle_turn"):
+        if hasattr(env, name):
+            return getattr(env, name)
+    turns: list[str] | None = None
+
+    def next_turn() -> str:
+        nonlocal turns
+        if turns is None:
+            turns = list(env.oracle_turns())
+        return turns.pop(0) if turns else "Done."
+
+    return next_turn

@@ -66,6 +66,9 @@ class ToolEnv(Env):
     def _task_id(self) -> str:
         return type(self).__name__
 
+    def _close(self) -> None:
+        """Called once when the episode ends (terminated or truncated): release its state."""
+
     # -- the loop ---------------------------------------------------------------------------
     def reset(self) -> list[dict]:
         self.turns = self.tool_calls = self.tool_errors = 0
@@ -101,6 +104,8 @@ class ToolEnv(Env):
             self.success = bool(response.success)
         terminated = response.terminated
         truncated = not terminated and self.turns >= self.max_turns
+        if terminated or truncated:
+            self._close()
         info = {
             "state_key": key,
             "success": self.success,

@@ -94,3 +94,22 @@ def test_hostile_outputs_never_raise():
         r = env.step(format_tool_call(name, {"a": object.__name__}))
         assert not r.terminated
     assert r.info["tool_errors"] >= len(hostile)
+
+
+def test_concurrent_episodes_of_one_task_keep_their_own_state():
+    # A group's rollouts of one task run side by side; a backend's shared mutable default
+    # (TwitterAPI.post_tweet's mentions=[]) once leaked state between them.
+    failures = []
+    for task in load_tasks("all"):
+        pair = [BFCLEnv(task=task, split="all") for _ in range(2)]
+        for env in pair:
+            env.reset()
+        done = [None, None]
+        while not all(done):
+            for k, env in enumerate(pair):
+                if done[k] is None:
+                    r = env.step(env.oracle_turn())
+                    if r.terminated or r.truncated:
+                        done[k] = r
+        failures += [task.task_id for r in done if r.reward != 1.0]
+    assert not failures, failures

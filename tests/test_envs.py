@@ -7,7 +7,7 @@ import pytest
 
 import envs
 from envs.rollout import collect
-from envs.scripted import ScriptedPolicy
+from envs.scripted import ScriptedPolicy, oracle_act
 from mpo_jax.batch import num_turns, validate
 
 
@@ -114,23 +114,16 @@ def test_length_budget_truncates_instead_of_crashing():
     validate(out.batch)
 
 
-class _Oracle:
-    """Each real environment's scripted optimal turns, one per call, for the rollout loop."""
+class _Recorder:
+    """An environment's oracle, recording the turns it wrote."""
 
     def __init__(self, env):
-        self.env = env
-        self.turns = None
+        self.act = oracle_act(env)
         self.texts: list[str] = []
 
     def __call__(self, _row):
-        if hasattr(self.env, "oracle_turn"):  # bfcl: depends on the question in progress
-            text = self.env.oracle_turn()
-        else:
-            if self.turns is None:
-                self.turns = list(self.env.oracle_turns())
-            text = self.turns.pop(0)
-        self.texts.append(text)
-        return text
+        self.texts.append(self.act())
+        return self.texts[-1]
 
 
 @pytest.mark.parametrize("name", ["search", "bfcl", "tau2-retail"])
@@ -139,9 +132,7 @@ def test_real_environments_through_the_rollout_loop_with_the_qwen3_format(name):
 
     chat = ChatFormat(load_tokenizer())
     batch_envs = [envs.make(name, seed=s) for s in (0, 0, 1)]
-    for e in batch_envs:  # the oracles read the task, which reset() picks
-        e.reset()
-    oracles = [_Oracle(e) for e in batch_envs]
+    oracles = [_Recorder(e) for e in batch_envs]
     policy = ScriptedPolicy(chat, lambda i: oracles[i](i))
     out = collect(
         batch_envs, chat, policy, group_ids=[0, 0, 1], max_len=12_288, max_new_tokens=1_024

