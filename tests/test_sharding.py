@@ -48,3 +48,88 @@ def test_rules_map_logical_names_to_mesh_axes():
     )
     with pytest.raises(ValueError, match="needs 8 devices"):
         make_mesh(data=2, fsdp=2, tensor=2, devices=jax.devices()[:1])
+
+
+MULTIHOST_FLAGS = [
+    "--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--layers", "1",
+    "--width", "32", "--heads", "4", "--kv-heads", "2", "--eval-every", "0",
+    "--minibatches", "1", "--micro-batches", "1", "--no-progress",
+]  # fmt: skip
+
+
+def test_two_processes_on_loopback_run_a_sharded_step(tmp_path):
+    """jax.distributed over two local processes: each rolls out its share of the tasks, both
+    assemble the same global batch, and the sharded update equals the one-process update of
+    that batch."""
+    import dataclasses
+    import socket
+
+    import numpy as np
+
+    from envs.rollout import Rollouts
+    from mpo_jax import algorithms
+    from mpo_jax.batch import TurnBatch
+    from train.config import parse_args
+    from train.run import Trainer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parent / "scripts" / "multihost_step.py"
+    root = Path(__file__).parent.parent
+    procs = []
+    for pid in range(2):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(root),
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": "2",
+            "JAX_PROCESS_ID": str(pid),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(tmp_path), *MULTIHOST_FLAGS],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    p0, p1 = (dict(np.load(tmp_path / f"process{i}.npz")) for i in range(2))
+    # both processes hold the same global batch: process 0's rows, then process 1's
+    assert (p0["global/tokens"] == p1["global/tokens"]).all()
+    assert (p0["global/tokens"] == np.concatenate([p0["local_tokens"], p1["local_tokens"]])).all()
+    assert not (p0["local_tokens"] == p1["local_tokens"]).all()  # different tasks per host
+    assert sorted(set(p0["global/group_ids"].tolist())) == [0, 1, 2, 3]
+    # ... and the same parameters after the update
+    params = [k for k in p0 if k.startswith(("actor/", "critic/"))]
+    assert all((p0[k] == p1[k]).all() for k in params)
+    # The one-process update of the same global batch, from the same initial parameters.
+    trainer = Trainer(parse_args(MULTIHOST_FLAGS + ["--run-dir", str(tmp_path / "single")]))
+    names = {f.name for f in dataclasses.fields(TurnBatch)}
+    fields = {k.split("/", 1)[1]: v for k, v in p0.items() if k.startswith("global/")}
+    batch = TurnBatch(**{k: v for k, v in fields.items() if k in names})
+    rows = len(batch.tokens)
+    rollouts = Rollouts(batch, p0["boundary_lengths"], [[] for _ in range(rows)], [], 0.0)
+    from flax import nnx
+
+    initial = {
+        "actor/" + "/".join(map(str, path)): np.asarray(var.get_value())
+        for path, var in nnx.to_flat_state(trainer.state["actor"])
+    }
+    assert any(not np.array_equal(initial[k], p0[k]) for k in initial)  # the step did update
+    scored = trainer.score(rollouts)
+    update = trainer.update(scored, algorithms.compute_advantages(trainer.algo, scored))
+
+    single = {
+        f"{which}/" + "/".join(map(str, path)): np.asarray(var.get_value())
+        for which in ("actor", "critic")
+        for path, var in nnx.to_flat_state(trainer.state[which])
+    }
+    assert set(single) == set(params)
+    worst = max(float(np.max(np.abs(single[k] - p0[k]))) for k in params)
+    assert worst < 1e-5, worst
+    assert abs(update["policy_loss"] - float(p0["policy_loss"])) < 1e-5

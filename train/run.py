@@ -32,6 +32,15 @@ from mpo_jax import algorithms, diagnostics, losses
 from mpo_jax.batch import TurnBatch
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig, parse_args, save_config
+from train.distributed import (
+    gather_array,
+    gather_rollouts,
+    host_share,
+    initialize_from_env,
+    is_multiprocess,
+    put_global,
+    to_host,
+)
 from train.learner import (
     Models,
     UpdateFns,
@@ -63,8 +72,9 @@ class Trainer:
         actor_def, actor_params = nnx.split(actor)
         critic_def, critic_params = nnx.split(critic)
         self.mesh = self.micro_sharding = None
-        if cfg.mesh_shape():
-            data, fsdp, tensor = cfg.mesh_shape()
+        mesh_shape = cfg.mesh_shape() or ((-1, 1, 1) if is_multiprocess() else None)
+        if mesh_shape:  # several processes: one global mesh (default: data-parallel over all)
+            data, fsdp, tensor = mesh_shape
             self.mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
             self.micro_sharding = batch_sharding(self.mesh)
             actor_params = shard_params(actor_params, self.mesh)
@@ -85,7 +95,10 @@ class Trainer:
             "step": 0,
         }
         self.batch_size = cfg.prompts_per_step * cfg.group_size
-        self.sampler = Sampler(actor, batch_size=self.batch_size, capacity=cfg.max_len)
+        # Each process rolls out its share of the step's tasks (all of them with one process).
+        self.task_share = host_share(cfg.prompts_per_step)
+        local_rows = (self.task_share.stop - self.task_share.start) * cfg.group_size
+        self.sampler = Sampler(actor, batch_size=local_rows, capacity=cfg.max_len)
         self.eval_sampler = None
         self._logp = jax.jit(token_logprobs, static_argnums=0, static_argnames="temperature")
         self._values = jax.jit(token_values, static_argnums=0)
@@ -118,11 +131,12 @@ class Trainer:
         return Qwen3ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed))
 
     def _envs(self, step: int, prompts: int, group: int, *, offset: int = 0):
-        """The episodes of one step: ``prompts`` tasks x ``group`` rollouts each. The task seeds
-        are a function of (seed, step) alone, so a resumed run sees the same data."""
+        """This process's episodes of one step: its share of ``prompts`` tasks x ``group``
+        rollouts each (group ids are global). The task seeds are a function of (seed, step)
+        alone, so a resumed run sees the same data."""
         base = offset + self.cfg.seed * 1_000_003 + step * prompts
         out, groups = [], []
-        for p in range(prompts):
+        for p in range(prompts)[host_share(prompts)]:
             for _ in range(group):
                 out.append(envs.make(self.cfg.env, seed=base + p, **self.cfg.env_set))
                 groups.append(p)
@@ -130,10 +144,27 @@ class Trainer:
 
     # -- the RL step -------------------------------------------------------------------------------
 
+    def _local_params(self):
+        """The actor's parameters on this process's devices, for its sampler."""
+        if not is_multiprocess():
+            return self.state["actor"]
+        return jax.tree.map(lambda x: jnp.asarray(to_host(x)), self.state["actor"])
+
+    def _put(self, x):
+        """A host array (the same on every process) as a jit input: rows split over the data
+        axes when they divide evenly, replicated otherwise; plain ``jnp`` without a mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        rows = batch_sharding(self.mesh)
+        ways = int(np.prod([self.mesh.shape[a] for a in np.atleast_1d(rows.spec[0])]))
+        sharding = rows if len(x) % ways == 0 else jax.sharding.NamedSharding(self.mesh, jax.P())
+        return put_global(x, sharding)
+
     def rollout(self, step: int):
-        self.sampler.state = self.state["actor"]
+        """The step's rollouts: this process's share, then every process's (the global batch)."""
+        self.sampler.state = self._local_params()
         batch_envs, groups = self._envs(step, self.cfg.prompts_per_step, self.cfg.group_size)
-        return collect(
+        local = collect(
             batch_envs,
             self.codec,
             self.sampler,
@@ -141,25 +172,26 @@ class Trainer:
             max_len=self.cfg.max_len,
             max_new_tokens=self.max_new,
             temperature=self.cfg.temperature,
-            seed=self.cfg.seed * 7919 + step,
+            seed=self.cfg.seed * 7919 + step + jax.process_index() * 1_000_003,
         )
+        return gather_rollouts(local)
 
     def score(self, rollouts) -> TurnBatch:
         b = rollouts.batch
-        tokens = jnp.asarray(b.tokens)
+        tokens = self._put(b.tokens)
         old_logp, _ = self._logp(
             self.models.actor, self.state["actor"], tokens, temperature=self.cfg.temperature
         )
-        fields = {"old_logp": np.asarray(old_logp), "logp": np.asarray(old_logp)}
+        fields = {"old_logp": to_host(old_logp), "logp": to_host(old_logp)}
         if self.algo.needs_critic:
-            fields["values"] = np.asarray(
+            fields["values"] = to_host(
                 self._values(self.models.critic, self.state["critic"], tokens)
             )
         if self.algo.kl_coef:
             ref, _ = self._logp(
                 self.models.actor, self.state["ref"], tokens, temperature=self.cfg.temperature
             )
-            fields["ref_logp"] = np.asarray(ref)
+            fields["ref_logp"] = to_host(ref)
         if self.algo.needs_reference_answers:
             fields["answer_logprobs"] = self._trace_scores(rollouts)
         self.sampler_gap = float(
@@ -181,13 +213,13 @@ class Trainer:
         scores = self._answers(
             self.models.actor,
             self.state["ref"],
-            jnp.asarray(b.tokens[rows]),
-            jnp.asarray(lengths),
-            jnp.asarray(answers),
-            jnp.asarray(alen),
+            self._put(b.tokens[rows]),
+            self._put(lengths),
+            self._put(answers),
+            self._put(alen),
         )
         out = np.zeros(b.boundary_mask.shape, np.float32)
-        out[rows, cols] = np.minimum(np.asarray(scores), 0.0)
+        out[rows, cols] = np.minimum(to_host(scores), 0.0)
         return out
 
     def update(self, batch: TurnBatch, credit) -> dict[str, float]:
@@ -231,7 +263,7 @@ class Trainer:
             grads, loss, metrics = None, 0.0, {}
             for micro in split_micro(mb, rows, parts):
                 if self.micro_sharding is not None:
-                    micro = jax.device_put(micro, self.micro_sharding)
+                    micro = put_global(micro, self.micro_sharding)
                 (micro_loss, m), g = grad_fn(self.state[which], micro, *extra)
                 grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
                 loss = loss + micro_loss
@@ -264,11 +296,11 @@ class Trainer:
         batch_envs, groups = self._envs(0, cfg.eval_episodes, k, offset=10**9)
         if self.eval_sampler is None:
             self.eval_sampler = Sampler(
-                nnx.merge(self.models.actor, self.state["actor"]),
+                nnx.merge(self.models.actor, self._local_params()),
                 batch_size=len(batch_envs),
                 capacity=cfg.max_len,
             )
-        self.eval_sampler.state = self.state["actor"]
+        self.eval_sampler.state = self._local_params()
         out = collect(
             batch_envs,
             self.codec,
@@ -279,7 +311,8 @@ class Trainer:
             temperature=cfg.temperature,
             seed=10**6 + step,
         )
-        success = np.array([ep["success"] for ep in out.episodes], float).reshape(-1, k)
+        success = gather_array(np.array([ep["success"] for ep in out.episodes], float))
+        success = success.reshape(-1, k)
         correct = success.sum(axis=1).astype(int)
         return {
             "eval_success_rate": float(success.mean()),
@@ -311,10 +344,16 @@ def step_metrics(rollouts, batch: TurnBatch, credit) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One process of a run (several under ``jax.distributed``; see train/distributed.py). With
+    several, the run directory must be on a filesystem they share; process 0 writes the config
+    and metrics, and all of them write their checkpoint shards."""
+    initialize_from_env()
     cfg = parse_args(argv)
     run_dir = Path(cfg.run_dir)
+    lead = jax.process_index() == 0
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.json")
+    if lead:
+        save_config(cfg, run_dir / "config.json")
     trainer = Trainer(cfg)
     checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     if cfg.resume and checkpoints.latest() is not None:
@@ -326,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     start = int(trainer.state["step"])
-    log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
+    log = None
+    if lead:
+        log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         rollouts = trainer.rollout(step)
@@ -354,12 +395,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             metrics.update(trainer.evaluate(step + 1))
-        log.write(metrics)
+        if log is not None:
+            log.write(metrics)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             checkpoints.save(step + 1, trainer.state)
-            log.flush()
+            if log is not None:
+                log.flush()
     checkpoints.wait()
-    log.close()
+    if log is not None:
+        log.close()
     return 0
 
 

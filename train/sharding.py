@@ -88,9 +88,18 @@ def param_shardings(state: nnx.State, mesh, rules=DEFAULT_RULES) -> dict[tuple, 
 def shard_params(state: nnx.State, mesh, rules=DEFAULT_RULES) -> nnx.State:
     """``state`` placed on the mesh by the rules."""
     shardings = param_shardings(state, mesh, rules)
+
+    def place(value, sharding):
+        if sharding.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        # A mesh over several processes: every process holds the same initial values (same seed
+        # or checkpoint) and fills the shards on its own devices.
+        host = np.asarray(value)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
     return nnx.from_flat_state(
         [
-            (path, var.replace(jax.device_put(var.get_value(), shardings[path])))
+            (path, var.replace(place(var.get_value(), shardings[path])))
             for path, var in nnx.to_flat_state(state)
         ]
     )

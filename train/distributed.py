@@ -1,0 +1,180 @@
+"""Several hosts, one program: ``jax.distributed`` set-up and moving data between host and mesh.
+
+Every host runs the same trainer (JAX's multi-controller model). Each rolls out its share of a
+step's tasks with a sampler on its own devices (:func:`host_share`), then the hosts exchange their
+rollouts (:func:`gather_rollouts`), so that every host holds the same global batch, computes the
+same advantages and feeds the same global arrays to the sharded update. With one process every
+function here is the identity.
+
+Initialisation (:func:`initialize_from_env`) follows the usual environment:
+
+- ``JAX_COORDINATOR_ADDRESS`` (host:port), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``: explicit;
+- otherwise a cluster JAX detects itself (SLURM with more than one task, Open MPI, TPU pods):
+  ``jax.distributed.initialize()`` with auto-detection, asked for by ``MPO_JAX_DISTRIBUTED=auto``
+  or by those schedulers' variables;
+- nothing set: one process, no initialisation.
+
+On CPU the cross-process collectives use gloo (``jax_cpu_collectives_implementation``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+__all__ = [
+    "initialize_from_env",
+    "is_multiprocess",
+    "host_share",
+    "to_host",
+    "put_global",
+    "gather_rollouts",
+    "gather_array",
+]
+
+
+def _cluster_detected() -> bool:
+    env = os.environ
+    if env.get("MPO_JAX_DISTRIBUTED", "").lower() == "auto":
+        return True
+    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_JOB_ID" in env:
+        return True
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
+        return True
+    return len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
+
+
+def initialize_from_env() -> bool:
+    """Calls ``jax.distributed.initialize`` when the environment names several processes.
+
+    Returns whether it did. Must run before anything touches a JAX device.
+    """
+    env = os.environ
+    explicit = env.get("JAX_COORDINATOR_ADDRESS")
+    if explicit and ("JAX_NUM_PROCESSES" not in env or "JAX_PROCESS_ID" not in env):
+        raise ValueError(
+            "JAX_COORDINATOR_ADDRESS is set: JAX_NUM_PROCESSES and JAX_PROCESS_ID must be set too"
+        )
+    if not explicit and not _cluster_detected():
+        return False
+    # Cross-process collectives on the CPU backend (ignored by GPU and TPU backends).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit:
+        n, pid = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
+        if not 0 <= pid < n:
+            raise ValueError(f"JAX_PROCESS_ID: must be in [0, {n}), got {pid}")
+        jax.distributed.initialize(coordinator_address=explicit, num_processes=n, process_id=pid)
+    else:
+        jax.distributed.initialize()
+    return True
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def host_share(n: int, *, what: str = "prompts_per_step") -> slice:
+    """This host's contiguous share of ``n`` items (tasks): items are split evenly, in process
+    order, so concatenating the hosts' shares gives back the whole list."""
+    count, index = jax.process_count(), jax.process_index()
+    if n % count:
+        raise ValueError(f"{what}: {n} is not divisible by the {count} processes")
+    per = n // count
+    return slice(index * per, (index + 1) * per)
+
+
+def to_host(x) -> np.ndarray:
+    """A (possibly multi-host) array as NumPy on this host: the global value."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def put_global(tree: Any, sharding) -> Any:
+    """Host values that are the same on every process, placed as global arrays with
+    ``sharding``: each process fills only the shards on its own devices."""
+
+    def put(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(put, tree)
+
+
+def gather_array(local: np.ndarray) -> np.ndarray:
+    """Every host's ``local`` rows concatenated in process order (same trailing shape)."""
+    if not is_multiprocess():
+        return np.asarray(local)
+    return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+
+
+def _pad_to(x: np.ndarray, width: int, axis: int, fill) -> np.ndarray:
+    extra = width - x.shape[axis]
+    if extra <= 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    return np.pad(x, pad, constant_values=fill)
+
+
+def _gather_width(x: np.ndarray, axis: int, fill) -> np.ndarray:
+    width = int(gather_array(np.array([x.shape[axis]])).max())
+    return gather_array(_pad_to(x, width, axis, fill))
+
+
+_EPISODE_FIELDS = ("success", "reward", "turns", "tokens", "truncated", "errors")
+
+
+def gather_rollouts(rollouts):
+    """Every host's :class:`envs.rollout.Rollouts` as one global ``Rollouts``, rows in process
+    order. Ragged parts (step-key and boundary widths, answer ids) are padded to the widest host;
+    step-key ids are made distinct per host; episodes keep the fields the metrics read."""
+    if not is_multiprocess():
+        return rollouts
+    b = rollouts.batch
+    fields = {}
+    for name in (
+        "tokens",
+        "loss_mask",
+        "turn_ids",
+        "rewards",
+        "group_ids",
+        "truncated",
+        "old_logp",
+    ):
+        fields[name] = gather_array(getattr(b, name))
+    keys = np.where(b.step_keys >= 0, b.step_keys + jax.process_index() * 10_000_000, -1)
+    fields["step_keys"] = _gather_width(keys.astype(np.int32), 1, -1)
+    fields["boundary_mask"] = _gather_width(b.boundary_mask, 1, False)
+    boundary_lengths = _gather_width(rollouts.boundary_lengths, 1, 0)
+    lengths = np.array([len(a) for a in rollouts.answer_ids], np.int32)
+    width = max(1, int(gather_array(np.array([lengths.max(initial=0)])).max()))
+    answers = np.zeros((len(lengths), width), np.int32)
+    for i, ids in enumerate(rollouts.answer_ids):
+        answers[i, : len(ids)] = ids
+    answers, lengths = gather_array(answers), gather_array(lengths)
+    answer_ids = [answers[i, :n].tolist() for i, n in enumerate(lengths)]
+    table = np.array([[float(e.get(k, 0)) for k in _EPISODE_FIELDS] for e in rollouts.episodes])
+    table = gather_array(table.reshape(len(rollouts.episodes), len(_EPISODE_FIELDS)))
+    episodes = [
+        {
+            k: (bool(v) if k in ("success", "truncated") else v)
+            for k, v in zip(_EPISODE_FIELDS, row, strict=True)
+        }
+        for row in table
+    ]
+    seconds = float(gather_array(np.array([rollouts.seconds])).max())
+    batch = dataclasses.replace(b, **fields)
+    return dataclasses.replace(
+        rollouts,
+        batch=batch,
+        boundary_lengths=boundary_lengths,
+        answer_ids=answer_ids,
+        episodes=episodes,
+        seconds=seconds,
+    )
