@@ -133,3 +133,34 @@ def test_two_processes_on_loopback_run_a_sharded_step(tmp_path):
     worst = max(float(np.max(np.abs(single[k] - p0[k]))) for k in params)
     assert worst < 1e-5, worst
     assert abs(update["policy_loss"] - float(p0["policy_loss"])) < 1e-5
+
+
+def test_distributed_set_up_reads_the_environment(monkeypatch):
+    from train import distributed
+
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+                "MPO_JAX_DISTRIBUTED", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                "TPU_WORKER_HOSTNAMES"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    assert distributed.initialize_from_env() is False  # nothing set: one process
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed.initialize_from_env() is False  # a one-task SLURM job is one process
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES and JAX_PROCESS_ID must be set"):
+        distributed.initialize_from_env()
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    with pytest.raises(ValueError, match=r"JAX_PROCESS_ID: must be in \[0, 2\), got 2"):
+        distributed.initialize_from_env()
+
+
+def test_one_process_owns_everything():
+    import numpy as np
+
+    from train import distributed
+
+    assert distributed.host_share(6) == slice(0, 6)
+    x = np.arange(6).reshape(3, 2)
+    assert (distributed.gather_array(x) == x).all()
+    assert (distributed.to_host(jax.numpy.asarray(x)) == x).all()

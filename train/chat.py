@@ -139,6 +139,12 @@ class ChatFormat:
         self.stop_ids = (self.im_end, self.end_of_text)
         self._prompts: dict[str, list[int]] = {}
 
+    @property
+    def vocab_size(self) -> int:
+        """Every id the tokenizer can produce, special tokens included (a model built for this
+        format needs at least this many rows; Qwen3 checkpoints pad to 151,936)."""
+        return len(self.tokenizer)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
