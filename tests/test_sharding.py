@@ -54,6 +54,8 @@ MULTIHOST_FLAGS = [
     "--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--layers", "1",
     "--width", "32", "--heads", "4", "--kv-heads", "2", "--eval-every", "0",
     "--minibatches", "1", "--micro-batches", "1", "--no-progress",
+    "--warmup-steps", "0",  # the full learning rate from the first update
+    "--entropy-coef", "0.01",  # a gradient for the actor even if no episode succeeds
 ]  # fmt: skip
 
 
@@ -117,10 +119,16 @@ def test_two_processes_on_loopback_run_a_sharded_step(tmp_path):
     from flax import nnx
 
     initial = {
-        "actor/" + "/".join(map(str, path)): np.asarray(var.get_value())
-        for path, var in nnx.to_flat_state(trainer.state["actor"])
+        f"{which}/" + "/".join(map(str, path)): np.asarray(var.get_value())
+        for which in ("actor", "critic")
+        for path, var in nnx.to_flat_state(trainer.state[which])
     }
-    assert any(not np.array_equal(initial[k], p0[k]) for k in initial)  # the step did update
+    # the step did update the actor (the entropy bonus), and the critic when a reward came in
+    updated = ["actor/"] + (["critic/"] if p0["global/rewards"].any() else [])
+    for which in updated:
+        assert any(
+            not np.array_equal(v, p0[k]) for k, v in initial.items() if k.startswith(which)
+        ), which
     scored = trainer.score(rollouts)
     update = trainer.update(scored, algorithms.compute_advantages(trainer.algo, scored))
 

@@ -193,3 +193,32 @@ def test_plot_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):
         plot.main([str(tmp_path / "missing")])
+
+
+@pytest.mark.parametrize(
+    "warmup, expected", [(0, [1, 1, 1]), (1, [1, 1, 1]), (4, [0.25, 0.5, 0.75, 1, 1])]
+)
+def test_warmup_moves_the_parameters_from_the_first_update(warmup, expected):
+    import jax.numpy as jnp
+
+    from train.learner import make_optimizer
+
+    tx = make_optimizer(1.0, warmup=warmup, clip=1e9, weight_decay=0.0)
+    state, steps = tx.init(jnp.zeros(1)), []
+    for _ in expected:  # Adam's first moments of a constant gradient: the update is -lr
+        update, state = tx.update(jnp.ones(1), state, jnp.zeros(1))
+        steps.append(-float(update[0]))
+    assert steps == pytest.approx(expected, rel=1e-4)
+
+
+def test_the_entropy_bonus_reaches_the_actor_update(tmp_path):
+    # --entropy-coef was once parsed and never passed on: the update ignored it.
+    trainer = run.Trainer(parse_args(flags(tmp_path, "--steps", "1", "--entropy-coef", "0.25")))
+    assert trainer.fns.entropy_coef == 0.25
+    rollouts = trainer.rollout(0)
+    batch = trainer.score(rollouts)
+    credit = algorithms.compute_advantages(trainer.algo, batch)
+    zero = credit._replace(advantages=np.zeros_like(np.asarray(credit.advantages)))
+    before = leaves(trainer.state)[0]
+    trainer.update(batch, zero)  # no advantage anywhere: only the entropy bonus moves the actor
+    assert not np.array_equal(before, leaves(trainer.state)[0])

@@ -43,8 +43,15 @@ class Models:
 
 
 def make_optimizer(lr: float, *, warmup: int, clip: float, weight_decay: float):
-    """AdamW with linear warmup and global-norm clipping."""
-    schedule = optax.linear_schedule(0.0, lr, max(1, warmup))
+    """AdamW with linear warmup and global-norm clipping.
+
+    Update k (from 0) uses lr * min(1, (k + 1) / warmup): the first update already moves the
+    parameters (a schedule starting at 0 would waste it), and warmup <= 1 means a constant lr.
+    """
+    if warmup <= 1:
+        schedule = optax.constant_schedule(lr)
+    else:
+        schedule = optax.linear_schedule(lr / warmup, lr, warmup - 1)
     return optax.chain(
         optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)
     )

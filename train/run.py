@@ -84,7 +84,12 @@ class Trainer:
         actor_tx = make_optimizer(cfg.lr, **opt)
         critic_tx = make_optimizer(cfg.critic_lr, **opt)
         self.fns = UpdateFns(
-            self.models, self.algo, actor_tx, critic_tx, temperature=cfg.temperature
+            self.models,
+            self.algo,
+            actor_tx,
+            critic_tx,
+            temperature=cfg.temperature,
+            entropy_coef=cfg.entropy_coef,
         )
         self.state = {
             "actor": actor_params,

@@ -135,7 +135,10 @@ def default_index() -> SearchIndex:
             return load_index(corpus, folder)
         except (OSError, ValueError, KeyError):
             pass  # unreadable cache: rebuild it
-    return build_index(corpus, folder)
+    try:
+        return build_index(corpus, folder)
+    except OSError:  # a read-only home: cache in the temporary directory instead
+        return build_index(corpus, _index_folder(corpus, Path(tempfile.gettempdir()) / "mpo-jax"))
 
 
 def index_files(folder: Path) -> dict[str, bytes]:
