@@ -139,7 +139,8 @@ def test_two_processes_on_loopback_run_a_sharded_step(tmp_path):
     }
     assert set(single) == set(params)
     worst = max(float(np.max(np.abs(single[k] - p0[k]))) for k in params)
-    assert worst < 1e-5, worst
+    # Adam's first step turns gradient noise near eps into a small fraction of lr (1e-3)
+    assert worst < 1e-4, worst
     assert abs(update["policy_loss"] - float(p0["policy_loss"])) < 1e-5
 
 

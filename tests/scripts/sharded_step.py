@@ -75,7 +75,15 @@ diffs = [
     for x, y in zip(jax.tree.leaves(single), jax.tree.leaves(sharded), strict=True)
 ]
 print("MAX_DIFF", max(diffs))
-assert max(diffs) < 1e-5, max(diffs)
+# Adam's first step moves a parameter by lr * g / (|g| + eps): float noise between the sharded
+# and the one-device gradient shows up, for gradients near eps, as a small fraction of lr (1e-2
+# here). A wrong update (wrong rows, a missing reduction) moves many parameters by about lr.
+assert max(diffs) < 1e-4, max(diffs)
+moved = [
+    float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+    for x, y in zip(jax.tree.leaves(aparams), jax.tree.leaves(single[0]), strict=True)
+]
+assert max(moved) > 1e-3, max(moved)  # the update really moved the parameters
 
 # The trainer end to end on the same mesh: two steps of the default preset.
 import tempfile  # noqa: E402
