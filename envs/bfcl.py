@@ -25,7 +25,6 @@ import functools
 import importlib
 import inspect
 import json
-import random
 from collections import Counter
 from typing import Any
 
@@ -33,14 +32,13 @@ import numpy as np
 
 from envs.base import Observation
 from envs.packages import package_dir
+from envs.splits import check_split, split_indices
 from envs.tool_env import Response, ToolEnv
 from envs.tools import Tool, ToolBox, ToolResult, check_arguments
 
 __all__ = ["BFCLTask", "BFCLEnv", "load_tasks", "EXCLUDED", "SYSTEM_PROMPT", "PACKAGE"]
 
 PACKAGE = "bfcl-eval==2026.3.23"
-SPLIT_SEED = 20_251_129
-TEST_FRACTION = 0.2
 
 _BACKENDS = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 _CLASSES = {  # class -> (module, function-doc file)
@@ -139,8 +137,7 @@ def load_tasks(split: str = "train") -> tuple[BFCLTask, ...]:
     bfcl-eval 2026.3.23 that is one task of 200 (``multi_turn_base_173``: a ticket id given as a
     string where the doc says integer).
     """
-    if split not in ("train", "test", "all"):
-        raise ValueError(f"split: must be 'train', 'test' or 'all', got {split!r}")
+    check_split(split)  # before any file is read
     data = package_dir("bfcl_eval") / "data"
     entries = _read_jsonl(data / "BFCL_v4_multi_turn_base.json")
     answers = {
@@ -175,11 +172,7 @@ def load_tasks(split: str = "train") -> tuple[BFCLTask, ...]:
         )
     if split == "all":
         return tuple(tasks)
-    order = list(range(len(tasks)))
-    random.Random(SPLIT_SEED).shuffle(order)
-    n_test = int(round(len(tasks) * TEST_FRACTION))
-    chosen = sorted(order[:n_test]) if split == "test" else sorted(order[n_test:])
-    return tuple(tasks[i] for i in chosen)
+    return tuple(tasks[i] for i in sorted(split_indices(len(tasks), split)))
 
 
 @functools.cache
@@ -268,14 +261,14 @@ class BFCLEnv(ToolEnv):
         self.task = task or self.pool[int(self.rng.integers(len(self.pool)))]
         self.instances: dict[str, Any] = {}
         self.gold_instances: dict[str, Any] = {}
-        methods = {}
+        self.owner: dict[str, str] = {}  # function name -> the backend class that serves it
         tools = []
         for cls in self.task.classes:
             for doc in _function_docs(cls):
                 name = doc["name"]
-                if name in self.task.excluded or name in methods:
+                if name in self.task.excluded or name in self.owner:
                     continue
-                methods[name] = cls
+                self.owner[name] = cls
                 tools.append(
                     Tool(
                         name,
@@ -316,7 +309,7 @@ class BFCLEnv(ToolEnv):
     def _run_gold(self, turn: int) -> list[str]:
         out = []
         for call in self.task.gold[turn]:
-            cls = next(c for c in self.task.classes if hasattr(self.gold_instances[c], call.name))
+            cls = self.owner[call.name]
             try:
                 value = _invoke(self.gold_instances[cls], call.name, call.args, call.kwargs)
                 out.append(_result_text(value))
@@ -364,6 +357,6 @@ class BFCLEnv(ToolEnv):
         self._oracle_done = self.question
         calls = []
         for call in self.task.gold[self.question]:
-            cls = next(c for c in self.task.classes if hasattr(self.instances[c], call.name))
+            cls = self.owner[call.name]
             calls.append(format_tool_call(call.name, _named_arguments(cls, call)))
         return "\n".join(calls)

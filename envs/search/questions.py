@@ -26,11 +26,10 @@ import string
 from collections import Counter
 
 from envs.search.corpus import Corpus, Country, Element, load_corpus
+from envs.splits import SPLIT_SEED, split_indices
 
 __all__ = ["Question", "make_questions", "questions", "normalize_answer", "exact_match", "f1_score"]
 
-SPLIT_SEED = 20_251_129
-TEST_FRACTION = 0.2
 
 _ATTRIBUTES = {
     "capital": ("What is the capital of {c}?", lambda c: c.capital),
@@ -126,15 +125,9 @@ def make_questions(corpus: Corpus) -> list[Question]:
 
 @functools.lru_cache(maxsize=4)
 def questions(split: str = "train") -> tuple[Question, ...]:
-    """The ``train`` or ``test`` questions (a fixed-seed shuffle, then a 80/20 split)."""
-    if split not in ("train", "test", "all"):
-        raise ValueError(f"split: must be 'train', 'test' or 'all', got {split!r}")
+    """The ``train`` or ``test`` questions (``envs.splits``: a fixed-seed shuffle, 80/20)."""
     qs = make_questions(load_corpus())
-    random.Random(SPLIT_SEED).shuffle(qs)
-    n_test = int(round(len(qs) * TEST_FRACTION))
-    if split == "all":
-        return tuple(qs)
-    return tuple(qs[:n_test] if split == "test" else qs[n_test:])
+    return tuple(qs[i] for i in split_indices(len(qs), split))
 
 
 def normalize_answer(text: str) -> str:
