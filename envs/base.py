@@ -8,7 +8,16 @@ that raises or runs too long all become an error observation, never an exception
 
 ``info`` carries what the trainer needs: ``state_key`` (a hashable key of the state the turn acted
 in, for GiGPO), ``gold_answer`` (for TRACE), ``tool_calls`` (count so far), ``success``, and
-environment-specific extras such as evidence recall.
+environment-specific extras such as evidence recall (search: ``em``, ``f1``, ``evidence_recall``;
+tau2: ``db_match``; bfcl: ``questions_passed``) and, where a cheap ground truth exists,
+``action_quality`` (how good the turn's decision was; the synthetic tasks).
+
+Attributes the trainer reads: ``split`` ("train" or "test": every environment draws its tasks from
+one split, so held-out evaluation never sees a training task), ``task_id`` (the current episode's
+task, hashable, after ``reset``), ``eval_fresh`` (whether fresh episodes of the training split are
+worth evaluating beside the held-out ones: small task spaces), ``max_episode_tokens(codec)`` (the
+longest episode in tokens, or None when unknown) and ``codec`` (the text <-> token codec an
+environment speaks, or None for the Qwen3 chat format).
 """
 
 from __future__ import annotations
@@ -45,6 +54,19 @@ class Env(abc.ABC):
 
     tools: list[dict] = []
     max_turns: int = 8
+    split: str = "train"
+    eval_fresh: bool = False
+    codec = None
+
+    @property
+    def task_id(self):
+        """The current episode's task (hashable); None before ``reset``."""
+        return None
+
+    def max_episode_tokens(self, codec=None) -> int | None:
+        """The longest episode in tokens under ``codec``, or None when the environment cannot
+        say (free-text turns)."""
+        return None
 
     @abc.abstractmethod
     def reset(self) -> list[dict]:

@@ -256,6 +256,7 @@ class BFCLEnv(ToolEnv):
         task: BFCLTask | None = None,
         time_limit_s: float = 5.0,
     ):
+        self.split = split
         self.pool = load_tasks(split)
         self.rng = np.random.default_rng(seed)
         self.task = task or self.pool[int(self.rng.integers(len(self.pool)))]
@@ -295,6 +296,10 @@ class BFCLEnv(ToolEnv):
     def _task_id(self) -> str:
         return f"{self.task.task_id}:{self.question}"
 
+    @property
+    def task_id(self) -> str:
+        return self.task.task_id
+
     def _start(self) -> list[dict]:
         self.instances = _instantiate(self.task)
         self.gold_instances = _instantiate(self.task)
@@ -330,7 +335,8 @@ class BFCLEnv(ToolEnv):
         return None
 
     def _respond(self, text: str, results: list[ToolResult]) -> Response:
-        info = {"question": self.question, "questions": len(self.task.questions)}
+        n = len(self.task.questions)
+        info = {"question": self.question, "questions": n, "question_pass_rate": self.question / n}
         if results:
             ok = [r.value for r in results if r.ok]
             self.turn_results += ok
@@ -343,7 +349,8 @@ class BFCLEnv(ToolEnv):
             )
         self.question += 1
         self.turn_results = []
-        if self.question == len(self.task.questions):
+        info["question_pass_rate"] = self.question / n
+        if self.question == n:
             return Response(Observation(), reward=1.0, terminated=True, success=True, info=info)
         return Response(Observation(user=self.task.questions[self.question]), info=info)
 

@@ -18,24 +18,26 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from envs.base import Env
 from mpo_jax.batch import TurnBatch
 
-__all__ = ["Rollouts", "collect"]
+__all__ = ["Rollouts", "collect", "round_seed", "EPISODE_FIGURES", "EPISODE_INFO"]
 
-# What an episode's last ``info`` may add to its summary (search, bfcl, tau2 extras).
-_EPISODE_INFO = (
+# The numbers an episode's last ``info`` may add to its summary (search, bfcl, tau2 figures) ...
+EPISODE_FIGURES = (
     "evidence_recall",
     "f1",
     "em",
+    "question_pass_rate",
     "tool_calls",
     "tool_errors",
     "db_match",
-    "failure",
-    "env_exception",
 )
+# ... and everything it may add (the reasons an episode failed or broke, as text).
+EPISODE_INFO = (*EPISODE_FIGURES, "failure", "env_exception")
 
 
 @dataclasses.dataclass
@@ -46,6 +48,9 @@ class Rollouts:
     (the sampler's log-probs on action tokens), ``step_keys`` and ``boundary_mask``.
     ``boundary_lengths[b, k]`` is the prefix length at tool-call boundary k (0: the prompt; k: after
     turn k-1 and its observation); ``answer_ids`` are the gold answers' ids (TRACE).
+    ``turn_quality[b, k]`` is the environment's ``action_quality`` of turn k (NaN where it gives
+    none). Each episode summary says whether it was ``truncated`` and, apart from that, whether the
+    length budget cut it (``length_cut``) rather than the environment's turn budget.
     """
 
     batch: TurnBatch
@@ -53,6 +58,7 @@ class Rollouts:
     answer_ids: list[list[int]]
     episodes: list[dict[str, Any]]
     seconds: float
+    turn_quality: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -67,10 +73,12 @@ class _Episode:
     turns: int = 0
     active: bool = True
     truncated: bool = False
+    length_cut: bool = False
     success: bool = False
     total_reward: float = 0.0
     errors: int = 0
     last_info: dict = dataclasses.field(default_factory=dict)
+    quality: list[float] = dataclasses.field(default_factory=list)
 
     def append(self, ids, *, action: bool, turn: int = -1, logp=None):
         self.tokens += list(ids)
@@ -78,6 +86,14 @@ class _Episode:
         self.turn_ids += [turn if action else -1] * len(ids)
         self.logp += list(logp) if logp is not None else [0.0] * len(ids)
         self.rewards += [0.0] * len(ids)
+
+
+def round_seed(seed, round_: int):
+    """The policy's seed for one round: ``fold_in(seed, round)`` for a JAX key (every round a
+    stream of its own), ``seed * 100_003 + round`` for an int seed (scripted policies, tests)."""
+    if isinstance(seed, jax.Array):
+        return jax.random.fold_in(seed, round_)
+    return seed * 100_003 + round_
 
 
 def collect(
@@ -89,7 +105,7 @@ def collect(
     max_len: int,
     max_new_tokens: int,
     temperature: float = 1.0,
-    seed: int = 0,
+    seed: Any = 0,
     max_step_keys: int | None = None,
 ) -> Rollouts:
     """Runs one episode in each env with the policy; returns the padded batch.
@@ -97,7 +113,8 @@ def collect(
     An episode ends when its env terminates or truncates (its turn limit), or when the next turn
     or observation would not fit in ``max_len`` tokens: then it is truncated, never crashed. An
     environment whose ``step`` raises ends its own episode (truncated, the exception in the
-    episode's ``env_exception``); the other episodes go on.
+    episode's ``env_exception``); the other episodes go on. ``seed`` is an int or a JAX key;
+    each round's sampling seed is :func:`round_seed` of it.
     """
     t0 = time.perf_counter()
     b = len(envs)
@@ -123,7 +140,7 @@ def collect(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             stop_ids=tuple(codec.stop_ids),
-            seed=seed * 100_003 + round_,
+            seed=round_seed(seed, round_),
             active=active,
         )
         round_ += 1
@@ -133,7 +150,7 @@ def collect(
                 continue
             ids = gen.tokens[i]
             if not ids:  # no room left in the cache
-                ep.active, ep.truncated = False, True
+                ep.active, ep.truncated, ep.length_cut = False, True, True
                 continue
             ep.keys.append(getattr(env, "state_key", ep.turns))
             ep.append(ids, action=True, turn=ep.turns, logp=gen.logprobs[i])
@@ -149,6 +166,7 @@ def collect(
             ep.rewards[-1] += float(result.reward)  # on the turn's last token
             ep.total_reward += float(result.reward)
             ep.last_info = dict(result.info)
+            ep.quality.append(float(result.info.get("action_quality", np.nan)))
             ep.success = bool(result.info.get("success", ep.success))
             ep.errors += int(bool(result.info.get("error")))
             if result.terminated or result.truncated:
@@ -157,7 +175,8 @@ def collect(
                 continue
             obs = codec.observation(result.observation)
             if len(ep.tokens) + len(obs) + max_new_tokens > max_len:
-                ep.active, ep.truncated = False, True  # the length budget: cut, not crash
+                # the length budget: cut, not crash
+                ep.active, ep.truncated, ep.length_cut = False, True, True
                 continue
             ep.append(obs, action=False)
             ep.boundaries.append(len(ep.tokens))
@@ -179,6 +198,7 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
     step_keys = np.full((b, k), -1, np.int32)
     boundary_lengths = np.zeros((b, m), np.int32)
     boundary_mask = np.zeros((b, m), bool)
+    quality = np.full((b, max(1, max(ep.turns for ep in episodes))), np.nan, np.float32)
     key_ids: dict[Any, int] = {}
     for i, ep in enumerate(episodes):
         n = len(ep.tokens)
@@ -192,6 +212,7 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
         # TRACE's boundaries: the prompt, then one after each turn that got an observation.
         boundary_lengths[i, : len(ep.boundaries)] = ep.boundaries
         boundary_mask[i, : len(ep.boundaries)] = True
+        quality[i, : len(ep.quality)] = ep.quality
     answers = [codec.encode(env.gold_answer) if env.gold_answer else [] for env in envs]
     batch = TurnBatch(
         tokens=tokens,
@@ -211,9 +232,11 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
             "turns": ep.turns,
             "tokens": len(ep.tokens),
             "truncated": ep.truncated,
+            "length_cut": ep.length_cut,
             "errors": ep.errors,
-            **{k: v for k, v in ep.last_info.items() if k in _EPISODE_INFO},
+            **{k: v for k, v in ep.last_info.items() if k in EPISODE_INFO},
         }
         for ep in episodes
     ]
-    return Rollouts(batch, boundary_lengths, answers, info, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return Rollouts(batch, boundary_lengths, answers, info, seconds, turn_quality=quality)

@@ -254,6 +254,7 @@ class Tau2Env(ToolEnv):
         time_limit_s: float = 5.0,
     ):
         self.domain = domain
+        self.split = split
         self.pool = load_tasks(domain, split)
         self.rng = np.random.default_rng(seed)
         self.task = task or self.pool[int(self.rng.integers(len(self.pool)))]

@@ -66,6 +66,10 @@ class ToolEnv(Env):
     def _task_id(self) -> str:
         return type(self).__name__
 
+    @property
+    def task_id(self) -> str:
+        return self._task_id()
+
     def _close(self) -> None:
         """Called once when the episode ends (terminated or truncated): release its state."""
 

@@ -1,5 +1,6 @@
 """Diagnostics the trainer logs every step: how much of the critic's variance lives between turns,
-and how well the critic explains the returns.
+how well the critic explains the returns, and, where the environment grades each turn's
+decision, how well an estimator's credit on the decisive tokens follows that ground truth.
 """
 
 from __future__ import annotations
@@ -7,9 +8,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mpo_jax.batch import float_dtype, turn_mean
+from mpo_jax.batch import float_dtype, turn_end_mask, turn_mean
 
-__all__ = ["turn_variance_fraction", "median_turn_variance_fraction", "explained_variance"]
+__all__ = [
+    "turn_variance_fraction",
+    "median_turn_variance_fraction",
+    "explained_variance",
+    "decision_credit_correlation",
+]
 
 ArrayLike = jax.typing.ArrayLike
 
@@ -74,3 +80,36 @@ def explained_variance(values: ArrayLike, returns: ArrayLike, mask: ArrayLike) -
     var_r = var(r)
     ok = var_r > jnp.finfo(dtype).tiny * 1e3
     return jnp.where(ok, 1 - var(r - v) / jnp.where(ok, var_r, 1), 0.0)
+
+
+def decision_credit_correlation(
+    advantages: ArrayLike, loss_mask: ArrayLike, turn_ids: ArrayLike, turn_quality: ArrayLike
+) -> jax.Array:
+    """Pearson correlation between each turn's credit and a ground-truth grade of its decision.
+
+    The credit of turn k is the advantage on its last action token (the decisive token of the
+    synthetic tasks); ``turn_quality[b, k]`` grades turn k of row b (NaN: no grade, left out).
+    Over the graded turns (a, q): ``cov(a, q) / (std(a) std(q))``. Returns NaN when fewer than two
+    turns are graded or either side has no variance (nothing to correlate).
+
+    Args:
+      advantages, loss_mask, turn_ids: [B, T] (DESIGN.md §2 layout).
+      turn_quality: [B, K] grades, K >= the number of turns of every row.
+    """
+    q_all = jnp.asarray(turn_quality)
+    dtype = float_dtype(advantages, q_all)
+    mask = jnp.asarray(loss_mask, bool)
+    tid = jnp.asarray(turn_ids)
+    ends = turn_end_mask(mask, tid)
+    k = jnp.clip(tid, 0, q_all.shape[1] - 1)
+    q = jnp.take_along_axis(q_all.astype(dtype), k, axis=1)
+    use = ends & jnp.isfinite(q)
+    a = jnp.where(use, jnp.asarray(advantages, dtype), 0)
+    q = jnp.where(use, q, 0)
+    n = jnp.sum(use)
+    safe_n = jnp.maximum(n, 1)
+    da = jnp.where(use, a - jnp.sum(a) / safe_n, 0)
+    dq = jnp.where(use, q - jnp.sum(q) / safe_n, 0)
+    denom = jnp.sqrt(jnp.sum(da**2) * jnp.sum(dq**2))
+    ok = (n >= 2) & (denom > jnp.finfo(dtype).tiny * 1e3)
+    return jnp.where(ok, jnp.sum(da * dq) / jnp.where(ok, denom, 1), jnp.nan)

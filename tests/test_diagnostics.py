@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hypothesis
 import hypothesis.strategies as st
+import jax
 import numpy as np
+import pytest
 
 from mpo_jax import diagnostics as D
 from tests.batches import random_batch
@@ -55,3 +57,24 @@ def test_explained_variance():
     # Residuals 2 (R - mean): four times the return variance -> 1 - 4 = -3.
     np.testing.assert_allclose(D.explained_variance(ret - (ret - 2.5) * 2, ret, m), -3, atol=1e-5)
     assert float(D.explained_variance(ret, np.ones(4), m)) == 0.0
+
+
+def test_decision_credit_correlation_reads_each_turns_last_token():
+    # row 0: turns of 3 and 2 tokens; row 1: one turn of 1 token; -1 = prompt / observation
+    turn_ids = np.array([[-1, 0, 0, 0, -1, 1, 1, -1], [-1, -1, 0, -1, -1, -1, -1, -1]])
+    mask = turn_ids >= 0
+    adv = np.zeros((2, 8))
+    adv[0, 3], adv[0, 6], adv[1, 2] = 2.0, -1.0, 0.5  # the turns' last tokens
+    adv[0, 1] = 100.0  # not a last token: ignored
+    quality = np.array([[1.0, -1.0], [0.0, np.nan]])
+    expected = np.corrcoef([2.0, -1.0, 0.5], [1.0, -1.0, 0.0])[0, 1]
+    for fn in (D.decision_credit_correlation,
+               jax.jit(D.decision_credit_correlation)):  # fmt: skip
+        assert float(fn(adv, mask, turn_ids, quality)) == pytest.approx(expected, abs=1e-6)
+    # a NaN grade leaves its turn out; nothing to correlate -> NaN
+    quality_nan = np.array([[1.0, np.nan], [np.nan, np.nan]])
+    assert np.isnan(float(D.decision_credit_correlation(adv, mask, turn_ids, quality_nan)))
+    flat = np.array([[1.0, 1.0], [1.0, np.nan]])  # no variance in the grades
+    assert np.isnan(float(D.decision_credit_correlation(adv, mask, turn_ids, flat)))
+    # the sign follows the credit
+    assert float(D.decision_credit_correlation(-adv, mask, turn_ids, quality)) < 0

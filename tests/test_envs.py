@@ -181,3 +181,142 @@ def test_an_environment_that_raises_ends_only_its_own_episode():
     assert out.episodes[0]["success"]
     assert out.episodes[1]["truncated"] and "backend crashed" in out.episodes[1]["env_exception"]
     validate(out.batch)
+
+
+# -- held-out splits and the credit-assignment study's tasks --------------------------------
+
+STUDY_ENVS = ("synthetic-nav-longturns", "synthetic-keydoor", "synthetic-nav-noisy")
+
+
+def _task_ids(name, split, seeds):
+    out = set()
+    for s in seeds:
+        env = envs.make(name, seed=s, split=split)
+        env.reset()
+        assert env.split == split
+        out.add(env.task_id)
+    return out
+
+
+@pytest.mark.parametrize("name", envs.list_envs())
+def test_held_out_tasks_are_disjoint_from_training_tasks(name):
+    train = _task_ids(name, "train", range(400))
+    test = _task_ids(name, "test", range(150))
+    assert None not in train | test, "task_id must name the task after reset"
+    assert test and len(train) > len(test)
+    assert not train & test, sorted(train & test, key=str)[:5]
+
+
+@pytest.mark.parametrize("name", ["synthetic-nav", *STUDY_ENVS])
+def test_synthetic_splits_cover_every_instance_once(name):
+    every = envs.make(name, split="all").pool
+    train, test = envs.make(name, split="train").pool, envs.make(name, split="test").pool
+    assert sorted(train + test) == sorted(every) and len(test) == round(0.2 * len(every))
+
+
+def _play(name, act, n, **options):
+    batch_envs = [envs.make(name, seed=i, **options) for i in range(n)]
+    codec = batch_envs[0].codec
+    out = collect(
+        batch_envs,
+        codec,
+        ScriptedPolicy(codec, lambda i: act(batch_envs[i], i)),
+        group_ids=list(range(n)),
+        max_len=batch_envs[0].max_episode_tokens(codec),
+        max_new_tokens=batch_envs[0].turn_length,
+    )
+    return out, batch_envs
+
+
+@pytest.mark.parametrize("name", ["synthetic-nav", "synthetic-nav-long", *STUDY_ENVS])
+def test_study_tasks_optimal_random_and_the_longest_episode(name):
+    # the scripted optimal policy solves the deterministic tasks always (noisy: slips may cost)
+    out, batch_envs = _play(name, lambda env, i: env.optimal_turn(), 200)
+    rate = np.mean([ep["success"] for ep in out.episodes])
+    assert rate >= (0.95 if name.endswith("noisy") else 1.0), rate
+    # a uniformly random policy over the vocabulary (a random-init model) gets signal
+    rng = np.random.default_rng(0)
+    vocab = batch_envs[0].codec.vocabulary[1:]
+
+    def random_turn(env, i):
+        return " ".join(rng.choice(vocab, size=env.turn_length))
+
+    out, batch_envs = _play(name, random_turn, 400)
+    rate = np.mean([ep["success"] for ep in out.episodes])
+    assert 0.03 < rate < 0.8, rate
+    # nothing is cut by length at the environment's own longest episode, which is reached
+    assert not any(ep["length_cut"] for ep in out.episodes)
+    longest = batch_envs[0].max_episode_tokens()
+    lengths = [ep["tokens"] for ep in out.episodes]
+    assert max(lengths) == longest, (max(lengths), longest)
+
+
+def test_longturns_has_many_action_tokens_a_turn_and_six_turns():
+    env = envs.make("synthetic-nav-longturns")
+    assert env.turn_length == 24 and env.max_turns == 6
+    env.reset()
+    # only the last word acts: the same turn with other scratch words moves the same way
+    a = env.optimal_turn().split()
+    env2 = envs.make("synthetic-nav-longturns")
+    env2.reset()
+    env2.step(" ".join(["s3"] * 23 + [a[-1]]))
+    env.step(" ".join(a))
+    assert env.room == env2.room
+
+
+def test_keydoor_only_the_first_turn_decides():
+    env = envs.make("synthetic-keydoor", seed=3)
+    env.reset()
+    right, wrong = f"k{env.door}", f"k{(env.door + 1) % env.keys}"
+    info = env.step(f"s0 {right} {wrong} s1").info  # the first key word is the pick
+    assert info["action_quality"] == 1.0 and env.held == env.door
+    for _ in range(env.max_turns - 2):
+        obs, reward, terminated, truncated, info = env.step(wrong)  # later keys change nothing
+        assert not terminated and reward == 0 and info["action_quality"] == 0.0
+    obs, reward, terminated, truncated, info = env.step("s0")
+    assert terminated and reward == 1.0 and info["success"]
+    env.reset()
+    assert env.step("s0 s1 s2 s3").info["action_quality"] == -1.0  # no key at all
+
+
+def test_nav_action_quality_grades_the_move_against_the_shortest_path():
+    env = envs.make("synthetic-nav", seed=5)
+    env.reset()
+    d = env.distance[env.room, env.goal]
+    best = env.optimal_turn()
+    assert env.step(best).info["action_quality"] == 1.0
+    assert env.distance[env.room, env.goal] == d - 1
+    assert env.step("s0 s0").info["action_quality"] == 0.0  # invalid: no move
+
+
+def test_noisy_nav_slips_sometimes_and_deterministically_per_seed():
+    def rooms(seed):
+        env = envs.make("synthetic-nav-noisy", seed=seed)
+        env.reset()
+        return [env.step("s0 e0").observation.user for _ in range(6)]
+
+    assert rooms(1) == rooms(1)
+    clean = envs.make("synthetic-nav", seed=0)
+    slips = 0
+    for seed in range(60):
+        env = envs.make("synthetic-nav-noisy", seed=seed)
+        env.reset()
+        expected = env.graph[env.room, 0]
+        env.step("s0 e0")
+        slips += env.room != expected
+    assert 3 <= slips <= 30, slips  # slip 0.25 (a random exit may be the chosen one)
+    assert clean.slip == 0.0
+
+
+@pytest.mark.parametrize("name", STUDY_ENVS)
+def test_study_tasks_survive_hostile_outputs(name):
+    rng = np.random.default_rng(1)
+    env = envs.make(name, seed=0)
+    env.reset()
+    for text in ["", " ", "k99", "e-1", "<bos> <eot>", "é\x00\uffff", "k" * 10_000,
+                 "".join(map(chr, rng.integers(0, 0x2FFF, size=300)))]:  # fmt: skip
+        obs, reward, terminated, truncated, info = env.step(text)
+        assert isinstance(obs.user, str) and reward in (0.0, 1.0)
+        assert len(obs.user.split()) == env.obs_len
+        if terminated or truncated:
+            env.reset()

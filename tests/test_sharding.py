@@ -129,7 +129,7 @@ def test_two_processes_on_loopback_run_a_sharded_step(tmp_path):
         assert any(
             not np.array_equal(v, p0[k]) for k, v in initial.items() if k.startswith(which)
         ), which
-    scored = trainer.score(rollouts)
+    scored, _ = trainer.score(rollouts)
     update = trainer.update(scored, algorithms.compute_advantages(trainer.algo, scored))
 
     single = {

@@ -2,10 +2,15 @@
 
     python -m train.run --preset mpo --env synthetic-nav --steps 200 --lr 3e-4
 
-``TrainConfig`` is one flat dataclass (flags are its field names with dashes); ``--algo-set
-beta=0.3`` overrides any field of the algorithm preset (``mpo_jax.algorithms.Algorithm``), and
-``--env-set max_turns=8`` passes options to the environment. The resolved configuration is saved as
-``config.json`` in the run directory; ``--config FILE`` reads one back (flags still win).
+``TrainConfig`` is one flat dataclass (flags are its field names with dashes, each with the help
+string of :data:`HELP`); ``--algo-set beta=0.3`` overrides any field of the algorithm preset
+(``mpo_jax.algorithms.Algorithm``), and ``--env-set max_turns=8`` passes options to the
+environment. The resolved configuration is saved as ``config.json`` in the run directory (with the
+resolved algorithm beside it, for reading); ``--config FILE`` reads one back (flags still win).
+
+``--resume`` starts from the run directory's own ``config.json``: a flag given beside it that
+differs from the run's value is refused, naming the field, except the fields of :data:`RESUMABLE`
+(how long to run and how often to evaluate, checkpoint and show progress), which may change.
 """
 
 from __future__ import annotations
@@ -18,7 +23,21 @@ import typing
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TrainConfig", "parse_args", "save_config"]
+__all__ = [
+    "TrainConfig",
+    "HELP",
+    "RESUMABLE",
+    "parse_args",
+    "save_config",
+    "check_mesh_fit",
+    "DEFAULT_MAX_LEN",
+]
+
+# The length budget of environments that cannot say how long their longest episode is.
+DEFAULT_MAX_LEN = 8192
+
+# Fields that may differ from the run's config.json on --resume (they change no computed number).
+RESUMABLE = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "progress")
 
 
 @dataclasses.dataclass
@@ -26,20 +45,20 @@ class TrainConfig:
     # What to train
     preset: str = "mpo"
     env: str = "synthetic-nav"
-    model_path: str | None = None  # a Hugging Face Qwen3 folder; None: a tiny random model
+    model_path: str | None = None
     # The tiny random model (ignored with --model-path)
     layers: int = 2
     width: int = 64
     heads: int = 4
     kv_heads: int = 2
-    # Parallelism: "data,fsdp,tensor" mesh shape over this host's devices ("": one device)
+    # Parallelism
     mesh: str = ""
     # Rollouts
     steps: int = 400
     prompts_per_step: int = 64
     group_size: int = 4
-    max_len: int = 48
-    max_new_tokens: int = 0  # 0: the environment's turn length
+    max_len: int = 0
+    max_new_tokens: int = 0
     temperature: float = 1.0
     # Optimisation
     lr: float = 1e-3
@@ -47,7 +66,7 @@ class TrainConfig:
     warmup_steps: int = 10
     grad_clip: float = 1.0
     weight_decay: float = 0.0
-    entropy_coef: float = 0.0  # an entropy bonus on action tokens (0: none)
+    entropy_coef: float = 0.0
     epochs: int = 1
     minibatches: int = 2
     micro_batches: int = 1
@@ -55,6 +74,9 @@ class TrainConfig:
     eval_every: int = 100
     eval_episodes: int = 64
     eval_k: int = 4
+    eval_split: str = "test"
+    eval_env_set: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log_ref_kl: bool = True
     checkpoint_every: int = 25
     keep_checkpoints: int = 2
     run_dir: str = "runs/default"
@@ -67,22 +89,115 @@ class TrainConfig:
     def mesh_shape(self) -> tuple[int, int, int] | None:
         if not self.mesh:
             return None
-        parts = [int(x) for x in self.mesh.split(",")]
-        if len(parts) != 3:
-            raise ValueError(f"mesh: expected 'data,fsdp,tensor', got {self.mesh!r}")
-        return tuple(parts)
+        try:
+            parts = tuple(int(x) for x in self.mesh.split(","))
+        except ValueError:
+            parts = ()
+        if len(parts) != 3 or any(p == 0 or p < -1 for p in parts) or parts[1:].count(-1):
+            raise ValueError(
+                f"mesh: expected 'data,fsdp,tensor' (positive sizes; data may be -1), "
+                f"got {self.mesh!r}"
+            )
+        return parts
+
+    @property
+    def micro_rows(self) -> int:
+        """Rows of one micro-batch: the step's rollouts over minibatches x micro-batches."""
+        return self.prompts_per_step * self.group_size // (self.minibatches * self.micro_batches)
 
     def __post_init__(self):
-        if self.prompts_per_step < 1 or self.group_size < 1:
-            raise ValueError("prompts_per_step and group_size must be >= 1")
-        if self.minibatches < 1 or self.micro_batches < 1 or self.epochs < 1:
-            raise ValueError("epochs, minibatches and micro_batches must be >= 1")
+        positive = (
+            "steps prompts_per_step group_size epochs minibatches micro_batches eval_k "
+            "checkpoint_every keep_checkpoints layers width heads kv_heads"
+        ).split()
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_len", "max_new_tokens", "warmup_steps", "eval_every", "eval_episodes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.eval_split not in ("train", "test", "all"):
+            raise ValueError(
+                f"eval_split: must be 'train', 'test' or 'all', got {self.eval_split!r}"
+            )
         rollouts = self.prompts_per_step * self.group_size
         if rollouts % (self.minibatches * self.micro_batches):
             raise ValueError(
                 f"prompts_per_step x group_size = {rollouts} is not divisible by minibatches x "
-                f"micro_batches = {self.minibatches * self.micro_batches}"
+                f"micro_batches = {self.minibatches * self.micro_batches}: change --minibatches, "
+                "--micro-batches, --prompts-per-step or --group-size"
             )
+        shape = self.mesh_shape()
+        if shape is not None and shape[0] != -1:
+            check_mesh_fit(self, shape[0] * shape[1])
+
+
+def check_mesh_fit(cfg: TrainConfig, batch_ways: int, processes: int = 1) -> None:
+    """Refuses a configuration whose batches do not divide over the mesh (named flags)."""
+    if cfg.micro_rows % batch_ways:
+        raise ValueError(
+            f"mesh: a micro-batch of {cfg.micro_rows} rows (prompts_per_step x group_size / "
+            f"(minibatches x micro_batches)) does not split over the {batch_ways} data-parallel "
+            "devices (data x fsdp): change --mesh, --minibatches, --micro-batches, "
+            "--prompts-per-step or --group-size"
+        )
+    if cfg.prompts_per_step % processes:
+        raise ValueError(
+            f"prompts_per_step: {cfg.prompts_per_step} tasks do not split over {processes} "
+            "processes: change --prompts-per-step"
+        )
+    if cfg.eval_every and cfg.eval_episodes % processes:
+        raise ValueError(
+            f"eval_episodes: {cfg.eval_episodes} tasks do not split over {processes} processes: "
+            "change --eval-episodes"
+        )
+
+
+HELP: dict[str, str] = {
+    "preset": "algorithm preset of mpo_jax.algorithms (mpo, ppo, turn_ppo, grpo, ...)",
+    "env": "environment name (envs.list_envs())",
+    "model_path": "a Hugging Face Qwen3 folder to start from (default: a tiny random model)",
+    "layers": "layers of the tiny random model",
+    "width": "hidden width of the tiny random model",
+    "heads": "attention heads of the tiny random model",
+    "kv_heads": "key/value heads of the tiny random model",
+    "mesh": "device mesh 'data,fsdp,tensor' over this host's devices ('': one device; data may "
+    "be -1: what the others leave)",
+    "steps": "training steps (may change on --resume)",
+    "prompts_per_step": "tasks a step",
+    "group_size": "rollouts per task (the GRPO-family groups)",
+    "max_len": "token budget of an episode; 0: the environment's longest episode, or "
+    f"{DEFAULT_MAX_LEN} when it cannot say",
+    "max_new_tokens": "tokens a turn; 0: the environment's turn length (256 if it has none)",
+    "temperature": "sampling temperature of rollouts and evaluation",
+    "lr": "actor learning rate (AdamW)",
+    "critic_lr": "critic learning rate (AdamW)",
+    "warmup_steps": "training steps of linear learning-rate warmup (0 or 1: none)",
+    "grad_clip": "global gradient-norm clip",
+    "weight_decay": "AdamW weight decay",
+    "entropy_coef": "entropy bonus on action tokens (0: none)",
+    "epochs": "passes over a step's rollouts",
+    "minibatches": "optimizer updates per epoch",
+    "micro_batches": "gradient-accumulation parts of a minibatch",
+    "eval_every": "evaluate every N steps and at the end (0: never; may change on --resume)",
+    "eval_episodes": "held-out tasks an evaluation",
+    "eval_k": "samples per evaluation task (pass@k)",
+    "eval_split": "the environment split evaluation draws from (default 'test': tasks training "
+    "never sees)",
+    "eval_env_set": "environment options for evaluation only, KEY=VALUE (over --env-set)",
+    "log_ref_kl": "score the reference model every step to log the KL to it (ref_kl), even "
+    "when the preset has no KL term",
+    "checkpoint_every": "checkpoint every N steps and at the end (may change on --resume)",
+    "keep_checkpoints": "checkpoints kept (may change on --resume)",
+    "run_dir": "the run directory: config.json, metrics.jsonl, tensorboard/, checkpoints/",
+    "resume": "continue the run in --run-dir from its last checkpoint, with its config.json",
+    "seed": "the run's seed (model init, tasks, sampling)",
+    "progress": "show a progress bar (may change on --resume)",
+    "algo_set": "override fields of the preset, KEY=VALUE (e.g. beta=0.3)",
+    "env_set": "environment options, KEY=VALUE (e.g. max_turns=8)",
+}
+
+_DICT_FIELDS = ("algo_set", "env_set", "eval_env_set")
 
 
 def _parse_value(text: str) -> Any:
@@ -109,37 +224,86 @@ def _base_type(tp):
     return tp
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Flags for every field of :class:`TrainConfig` (plus ``--config FILE``)."""
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m train.run", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="a config.json to start from (flags override it)")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        tp = _base_type(hints[f.name])
-        if f.name in ("algo_set", "env_set"):
-            parser.add_argument(flag, nargs="*", metavar="KEY=VALUE", default=None)
+        flag, tp = _flag(f.name), _base_type(hints[f.name])
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        text = f"{HELP[f.name]} (default: {default!r})"
+        if f.name in _DICT_FIELDS:
+            parser.add_argument(flag, nargs="*", metavar="KEY=VALUE", default=None, help=text)
         elif tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
         else:
-            parser.add_argument(flag, type=tp, default=None)
-    args = parser.parse_args(argv)
+            parser.add_argument(flag, type=tp, default=None, help=text)
+    return parser
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    values = json.loads(path.read_text())
+    values.pop("algorithm", None)  # the resolved algorithm, written for reading
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """Flags for every field of :class:`TrainConfig` (plus ``--config FILE``); with
+    ``--resume``, the run directory's ``config.json`` (see the module docstring)."""
+    args = _parser().parse_args(argv)
     values: dict[str, Any] = {}
     if args.config:
-        values.update(json.loads(Path(args.config).read_text()))
+        values.update(_read_config(Path(args.config)))
     for f in dataclasses.fields(TrainConfig):
         given = getattr(args, f.name)
         if given is None:
             continue
-        if f.name in ("algo_set", "env_set"):
-            given = {**values.get(f.name, {}), **_key_values(given, f.name)}
+        if f.name in _DICT_FIELDS:
+            given = {**values.get(f.name, {}), **_key_values(given, _flag(f.name))}
         values[f.name] = given
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise SystemExit(f"config: unknown field(s) {unknown}")
+    if values.get("resume"):
+        values = _resume_values(values)
     return TrainConfig(**values)
 
 
-def save_config(cfg: TrainConfig, path: Path) -> None:
-    path.write_text(json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True))
+def _resume_values(given: dict[str, Any]) -> dict[str, Any]:
+    """The run's own config.json, with the given values checked against it."""
+    run_dir = given.get("run_dir", TrainConfig.run_dir)
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise SystemExit(
+            f"--resume: {path} does not exist, so there is no run to resume in {run_dir} "
+            "(start it without --resume)"
+        )
+    stored = _read_config(path)
+    conflicts = [
+        f"{_flag(name)}={value!r} (the run has {stored.get(name)!r})"
+        for name, value in sorted(given.items())
+        if name not in ("resume", "run_dir", *RESUMABLE) and value != stored.get(name)
+    ]
+    if conflicts:
+        raise SystemExit(
+            f"--resume: {', '.join(conflicts)} differ from {path}; a resumed run keeps its "
+            f"configuration (only {', '.join(_flag(n) for n in RESUMABLE)} may change)"
+        )
+    changed = {k: v for k, v in given.items() if k in RESUMABLE}
+    return {**stored, **changed, "resume": True, "run_dir": run_dir}
+
+
+def save_config(cfg: TrainConfig, path: Path, *, algorithm: dict[str, Any] | None = None) -> None:
+    """Writes the configuration (``resume`` is a property of the invocation, not the run, and is
+    saved as False) and, for reading, the resolved algorithm."""
+    values = {**dataclasses.asdict(cfg), "resume": False}
+    if algorithm is not None:
+        values["algorithm"] = algorithm
+    path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")

@@ -27,6 +27,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from envs.rollout import EPISODE_FIGURES
+
 __all__ = [
     "initialize_from_env",
     "is_multiprocess",
@@ -127,13 +129,15 @@ def _gather_width(x: np.ndarray, axis: int, fill) -> np.ndarray:
     return gather_array(_pad_to(x, width, axis, fill))
 
 
-_EPISODE_FIELDS = ("success", "reward", "turns", "tokens", "truncated", "errors")
+_EPISODE_FIELDS = ("success", "reward", "turns", "tokens", "truncated", "length_cut", "errors")
+_FLAGS = ("success", "truncated", "length_cut")
 
 
 def gather_rollouts(rollouts):
     """Every host's :class:`envs.rollout.Rollouts` as one global ``Rollouts``, rows in process
     order. Ragged parts (step-key and boundary widths, answer ids) are padded to the widest host;
-    step-key ids are made distinct per host; episodes keep the fields the metrics read."""
+    step-key ids are made distinct per host; episodes keep the fields the metrics read, the
+    environments' own figures included (absent ones travel as NaN and are dropped again)."""
     if not is_multiprocess():
         return rollouts
     b = rollouts.batch
@@ -159,15 +163,23 @@ def gather_rollouts(rollouts):
         answers[i, : len(ids)] = ids
     answers, lengths = gather_array(answers), gather_array(lengths)
     answer_ids = [answers[i, :n].tolist() for i, n in enumerate(lengths)]
-    table = np.array([[float(e.get(k, 0)) for k in _EPISODE_FIELDS] for e in rollouts.episodes])
-    table = gather_array(table.reshape(len(rollouts.episodes), len(_EPISODE_FIELDS)))
+    names = _EPISODE_FIELDS + EPISODE_FIGURES
+    table = np.array(
+        [
+            [_number(e.get(k, 0 if k in _EPISODE_FIELDS else np.nan)) for k in names]
+            for e in rollouts.episodes
+        ]
+    )
+    table = gather_array(table.reshape(len(rollouts.episodes), len(names)))
     episodes = [
         {
-            k: (bool(v) if k in ("success", "truncated") else v)
-            for k, v in zip(_EPISODE_FIELDS, row, strict=True)
+            k: (bool(v) if k in _FLAGS else v)
+            for k, v in zip(names, row, strict=True)
+            if not np.isnan(v)
         }
         for row in table
     ]
+    quality = _gather_width(np.asarray(rollouts.turn_quality, np.float32), 1, np.nan)
     seconds = float(gather_array(np.array([rollouts.seconds])).max())
     batch = dataclasses.replace(b, **fields)
     return dataclasses.replace(
@@ -177,4 +189,12 @@ def gather_rollouts(rollouts):
         answer_ids=answer_ids,
         episodes=episodes,
         seconds=seconds,
+        turn_quality=quality,
     )
+
+
+def _number(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")

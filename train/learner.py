@@ -29,6 +29,7 @@ __all__ = [
     "make_optimizer",
     "token_logprobs",
     "token_values",
+    "values_and_bootstrap",
     "answer_logprobs",
     "UpdateFns",
 ]
@@ -42,16 +43,24 @@ class Models:
     critic: Any
 
 
-def make_optimizer(lr: float, *, warmup: int, clip: float, weight_decay: float):
-    """AdamW with linear warmup and global-norm clipping.
+def make_optimizer(
+    lr: float, *, warmup_steps: int, updates_per_step: int = 1, clip: float, weight_decay: float
+):
+    """AdamW with linear warmup over training steps and global-norm clipping.
 
-    Update k (from 0) uses lr * min(1, (k + 1) / warmup): the first update already moves the
-    parameters (a schedule starting at 0 would waste it), and warmup <= 1 means a constant lr.
+    Every optimizer update of training step s (from 0) uses lr * min(1, (s + 1) / warmup_steps),
+    where a step makes ``updates_per_step`` updates (epochs x minibatches): the first step already
+    moves the parameters, warmup counts training steps whatever the minibatching, and
+    warmup_steps <= 1 means a constant lr.
     """
-    if warmup <= 1:
+    if warmup_steps <= 1:
         schedule = optax.constant_schedule(lr)
     else:
-        schedule = optax.linear_schedule(lr / warmup, lr, warmup - 1)
+        per = max(int(updates_per_step), 1)
+
+        def schedule(count):
+            return lr * jnp.minimum(1.0, (count // per + 1) / warmup_steps)
+
     return optax.chain(
         optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)
     )
@@ -77,6 +86,18 @@ def token_values(graphdef, params, tokens):
     """[B, T] values of the state before each token."""
     model = nnx.merge(graphdef, params)
     return _shift_right(model(tokens))
+
+
+def values_and_bootstrap(graphdef, params, tokens, lengths):
+    """(values [B, T], bootstrap [B]): the values of :func:`token_values` and, per row, the value
+    of the whole conversation ``tokens[b, :lengths[b]]`` (the state after its last token), which
+    is the bootstrap value of a truncated episode. It is the value the critic reads at the first
+    padding position, available even for a row that fills all T positions."""
+    model = nnx.merge(graphdef, params)
+    after = model(tokens)  # after[b, t] = V(tokens[b, : t + 1])
+    last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)
+    boot = jnp.take_along_axis(after, last[:, None], axis=1)[:, 0]
+    return _shift_right(after), jnp.where(lengths > 0, boot, 0)
 
 
 def answer_logprobs(graphdef, params, tokens, prefix_lengths, answer, answer_len):

@@ -1,17 +1,20 @@
 """Run observability: ``metrics.jsonl`` (one JSON object per step), TensorBoard event files
-(tensorboardX) beside it, a progress bar with the live success rate, and unbiased pass@k."""
+(tensorboardX) beside it, a progress bar with the live success rate, unbiased pass@k, and the
+phase timer of a step."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
-__all__ = ["MetricsLog", "pass_at_k", "read_metrics"]
+__all__ = ["MetricsLog", "PhaseTimer", "pass_at_k", "read_metrics"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -51,8 +54,9 @@ class MetricsLog:
             if key != "step" and isinstance(value, int | float):
                 self.tb.add_scalar(key, value, step)
         shown = {"success": f"{metrics['success_rate']:.2f}"}
-        if "eval_success_rate" in metrics:
-            shown["eval"] = f"{metrics['eval_success_rate']:.2f}"
+        for key in sorted(metrics):
+            if key.startswith("eval_") and key.endswith("_success_rate"):
+                shown[key[5:-13]] = f"{metrics[key]:.2f}"
         self.bar.set_postfix(shown)
         self.bar.update(1)
 
@@ -64,3 +68,29 @@ class MetricsLog:
         self.bar.close()
         self.file.close()
         self.tb.close()
+
+
+class PhaseTimer:
+    """Wall time of a step's phases: ``with timer("rollout"): ...``; :meth:`metrics` gives
+    ``<phase>_s``, ``<phase>_tok_s`` (tokens per second) and ``<phase>_frac`` (share of the
+    timed total) for each phase, in the order they ran."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self, tokens: int) -> dict[str, float]:
+        total = max(sum(self.seconds.values()), 1e-9)
+        out: dict[str, float] = {}
+        for phase, s in self.seconds.items():
+            out[f"{phase}_s"] = s
+            out[f"{phase}_tok_s"] = tokens / max(s, 1e-9)
+            out[f"{phase}_frac"] = s / total
+        return out

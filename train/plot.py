@@ -21,7 +21,8 @@ from train.metrics import read_metrics  # noqa: E402
 
 DEFAULT_METRICS = (
     "success_rate",
-    "eval_success_rate",
+    "eval_heldout_success_rate",
+    "eval_fresh_success_rate",
     "entropy",
     "policy_loss",
     "value_loss",

@@ -1,24 +1,28 @@
 """Train a multi-turn agent with any preset of ``mpo_jax.algorithms``.
 
     python -m train.run                       # the embedded default: a tiny Qwen3-architecture
-                                              # policy and critic learn synthetic-nav with MPO
+                                              # policy and critic learn synthetic-nav
     python -m train.run --preset grpo --run-dir runs/grpo
-    python -m train.run --resume --run-dir runs/default       # continue a killed run
+    python -m train.run --resume --run-dir runs/grpo          # continue a killed run
 
-The loop, one step per iteration (each line a call into a module with one job):
+The loop is :meth:`Trainer.step`, one call into a module with one job per phase:
 
     rollouts = collect(envs, codec, sampler)     envs/rollout.py (host loop + KV-cache sampler)
     batch    = score(rollouts)                   train/learner.py (old/ref log-probs, values)
     credit   = compute_advantages(algo, batch)   mpo_jax/algorithms.py
     metrics  = update(batch, credit)             epochs x minibatches x micro-batches
     log, evaluate, checkpoint                    train/metrics.py, train/checkpoint.py
+
+Held-out evaluation runs on the environment's ``--eval-split`` (default ``test``: tasks training
+never draws); environments with small task spaces are also evaluated on fresh episodes of the
+training split. Each set is logged under its own name (``eval_heldout_*``, ``eval_fresh_*``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -27,11 +31,12 @@ import numpy as np
 from flax import nnx
 
 import envs
-from envs.rollout import collect
+from envs.rollout import EPISODE_FIGURES, collect
 from mpo_jax import algorithms, diagnostics, losses
 from mpo_jax.batch import TurnBatch
 from train.checkpoint import Checkpoints
-from train.config import TrainConfig, parse_args, save_config
+from train.config import DEFAULT_MAX_LEN, RESUMABLE, TrainConfig, check_mesh_fit, parse_args
+from train.config import save_config as write_config
 from train.distributed import (
     gather_array,
     gather_rollouts,
@@ -48,39 +53,70 @@ from train.learner import (
     make_optimizer,
     split_micro,
     token_logprobs,
-    token_values,
+    values_and_bootstrap,
 )
-from train.metrics import MetricsLog, pass_at_k
+from train.metrics import MetricsLog, PhaseTimer, pass_at_k
 from train.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
 from train.sampler import Sampler
-from train.sharding import batch_sharding, make_mesh, shard_params
+from train.sharding import batch_sharding, batch_ways, make_mesh, shard_params
 
-__all__ = ["main", "Trainer"]
+__all__ = ["main", "Trainer", "sampling_key", "CREDIT_PROBES"]
+
+# Streams of sampling keys: fold_in(key(seed), stream) then the step and the process, so that no
+# evaluation shares a key with a training step, and no process with another.
+TRAIN_STREAM, EVAL_STREAM = 0, 1
+EVAL_TASK_OFFSET = 10**9  # evaluation task seeds (their split already keeps them held out)
+
+# Estimators whose credit is correlated with the environment's decision grades on every batch
+# (the same batch and critic for all of them): credit quality apart from optimisation noise.
+CREDIT_PROBES = ("ppo", "turn_ppo", "mpo", "grpo", "rloo")
+
+
+def sampling_key(seed: int, stream: int, step: int, process: int) -> jax.Array:
+    """The sampling key of one rollout: its own stream per (purpose, step, process)."""
+    key = jax.random.fold_in(jax.random.key(seed), stream)
+    return jax.random.fold_in(jax.random.fold_in(key, step), process)
 
 
 class Trainer:
-    """Holds the models, optimizers, environments and sampler of one run."""
+    """Holds the models, optimizers, environments and sampler of one run.
+
+    Construction validates everything that can be checked before a rollout (the environment and
+    its length budget, the preset, the mesh and every size relation) and writes nothing.
+    """
 
     def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
         self.algo = algorithms.get(cfg.preset, **cfg.algo_set)
-        probe = envs.make(cfg.env, seed=0, **cfg.env_set)
-        self.codec = getattr(probe, "codec", None) or self._chat_codec()
+        self.env_options = {"split": "train", **cfg.env_set}
+        self.eval_options = {**cfg.env_set, "split": cfg.eval_split, **cfg.eval_env_set}
+        probe = envs.make(cfg.env, seed=0, **self.env_options)
+        envs.make(cfg.env, seed=0, **self.eval_options)  # evaluation options fail now, not later
+        self.eval_fresh = bool(probe.eval_fresh) and cfg.eval_split != "train"
+        self.codec = probe.codec or self._chat_codec()
         self.max_new = cfg.max_new_tokens or getattr(probe, "turn_length", 256)
-        actor = self._build_actor()
-        critic = Qwen3ValueModel.from_policy(actor, rngs=nnx.Rngs(cfg.seed + 1))
-        actor_def, actor_params = nnx.split(actor)
-        critic_def, critic_params = nnx.split(critic)
+        self.cfg = cfg = dataclasses.replace(cfg, max_len=self._max_len(cfg, probe))
         self.mesh = self.micro_sharding = None
         mesh_shape = cfg.mesh_shape() or ((-1, 1, 1) if is_multiprocess() else None)
         if mesh_shape:  # several processes: one global mesh (default: data-parallel over all)
             data, fsdp, tensor = mesh_shape
             self.mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
             self.micro_sharding = batch_sharding(self.mesh)
+        check_mesh_fit(cfg, batch_ways(self.mesh) if self.mesh else 1, jax.process_count())
+
+        actor = self._build_actor()
+        critic = Qwen3ValueModel.from_policy(actor, rngs=nnx.Rngs(cfg.seed + 1))
+        actor_def, actor_params = nnx.split(actor)
+        critic_def, critic_params = nnx.split(critic)
+        if self.mesh is not None:
             actor_params = shard_params(actor_params, self.mesh)
             critic_params = shard_params(critic_params, self.mesh)
         self.models = Models(actor_def, critic_def)
-        opt = dict(warmup=cfg.warmup_steps, clip=cfg.grad_clip, weight_decay=cfg.weight_decay)
+        opt = dict(
+            warmup_steps=cfg.warmup_steps,
+            updates_per_step=cfg.epochs * cfg.minibatches,
+            clip=cfg.grad_clip,
+            weight_decay=cfg.weight_decay,
+        )
         actor_tx = make_optimizer(cfg.lr, **opt)
         critic_tx = make_optimizer(cfg.critic_lr, **opt)
         self.fns = UpdateFns(
@@ -101,13 +137,18 @@ class Trainer:
         }
         self.batch_size = cfg.prompts_per_step * cfg.group_size
         # Each process rolls out its share of the step's tasks (all of them with one process).
-        self.task_share = host_share(cfg.prompts_per_step)
-        local_rows = (self.task_share.stop - self.task_share.start) * cfg.group_size
-        self.sampler = Sampler(actor, batch_size=local_rows, capacity=cfg.max_len)
+        share = host_share(cfg.prompts_per_step)
+        self.sampler = Sampler(
+            actor, batch_size=(share.stop - share.start) * cfg.group_size, capacity=cfg.max_len
+        )
         self.eval_sampler = None
         self._logp = jax.jit(token_logprobs, static_argnums=0, static_argnames="temperature")
-        self._values = jax.jit(token_values, static_argnums=0)
+        self._values = jax.jit(values_and_bootstrap, static_argnums=0)
         self._answers = jax.jit(answer_logprobs, static_argnums=0)
+        self._probe_algos = [algorithms.get(n) for n in CREDIT_PROBES]
+        self._credit = jax.jit(
+            algorithms.compute_advantages, static_argnums=0, static_argnames="need_returns"
+        )
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -115,6 +156,21 @@ class Trainer:
         from train.chat import ChatFormat, load_tokenizer
 
         return ChatFormat(load_tokenizer())
+
+    def _max_len(self, cfg: TrainConfig, probe) -> int:
+        """The configured length budget, or the environment's longest episode; says so at start-up
+        when the budget cannot hold a whole episode."""
+        longest = probe.max_episode_tokens(self.codec)
+        if not cfg.max_len:
+            return int(longest or DEFAULT_MAX_LEN)
+        if longest and cfg.max_len < longest and jax.process_index() == 0:
+            print(
+                f"warning: --max-len {cfg.max_len} cannot hold the longest episode of {cfg.env} "
+                f"({longest} tokens): such episodes are cut by length (logged as length_cut_frac); "
+                "leave --max-len at 0 to size it from the environment",
+                file=sys.stderr,
+            )
+        return cfg.max_len
 
     def _build_actor(self) -> Qwen3ForCausalLM:
         cfg = self.cfg
@@ -135,19 +191,50 @@ class Trainer:
         )
         return Qwen3ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed))
 
-    def _envs(self, step: int, prompts: int, group: int, *, offset: int = 0):
+    def _envs(self, step: int, prompts: int, group: int, options: dict, *, offset: int = 0):
         """This process's episodes of one step: its share of ``prompts`` tasks x ``group``
         rollouts each (group ids are global). The task seeds are a function of (seed, step)
         alone, so a resumed run sees the same data."""
         base = offset + self.cfg.seed * 1_000_003 + step * prompts
         out, groups = [], []
-        for p in range(prompts)[host_share(prompts)]:
+        for p in range(prompts)[host_share(prompts, what="tasks")]:
             for _ in range(group):
-                out.append(envs.make(self.cfg.env, seed=base + p, **self.cfg.env_set))
+                out.append(envs.make(self.cfg.env, seed=base + p, **options))
                 groups.append(p)
         return out, groups
 
+    def resolved(self) -> dict:
+        """What config.json records beside the flags: the resolved algorithm."""
+        return dataclasses.asdict(self.algo)
+
     # -- the RL step -------------------------------------------------------------------------------
+
+    def step(self, step: int) -> dict[str, float]:
+        """One RL step: rollout, scoring, credit, update (then evaluation when due)."""
+        timer = PhaseTimer()
+        with timer("rollout"):
+            rollouts = self.rollout(step)
+        with timer("scoring"):
+            batch, scored = self.score(rollouts)
+        with timer("credit"):
+            credit = self._credit(self.algo, batch)
+            credit_metrics = self.credit_metrics(rollouts, batch, credit)
+        with timer("update"):
+            update = self.update(batch, credit)
+        self.state["step"] = step + 1
+        tokens = int(sum(e["tokens"] for e in rollouts.episodes))
+        metrics = {
+            "step": step + 1,
+            **rollout_metrics(rollouts),
+            **scored,
+            **credit_metrics,
+            **update,
+            **timer.metrics(tokens),
+        }
+        due = self.cfg.eval_every and (step + 1) % self.cfg.eval_every == 0
+        if due or (self.cfg.eval_every and step + 1 == self.cfg.steps):
+            metrics.update(self.evaluate(step + 1))
+        return metrics
 
     def _local_params(self):
         """The actor's parameters on this process's devices, for its sampler."""
@@ -161,48 +248,66 @@ class Trainer:
         if self.mesh is None:
             return jnp.asarray(x)
         rows = batch_sharding(self.mesh)
-        ways = int(np.prod([self.mesh.shape[a] for a in np.atleast_1d(rows.spec[0])]))
-        sharding = rows if len(x) % ways == 0 else jax.sharding.NamedSharding(self.mesh, jax.P())
-        return put_global(x, sharding)
+        if len(x) % batch_ways(self.mesh):
+            rows = jax.sharding.NamedSharding(self.mesh, jax.P())
+        return put_global(x, rows)
 
     def rollout(self, step: int):
         """The step's rollouts: this process's share, then every process's (the global batch)."""
         self.sampler.state = self._local_params()
-        batch_envs, groups = self._envs(step, self.cfg.prompts_per_step, self.cfg.group_size)
+        cfg = self.cfg
+        batch_envs, groups = self._envs(
+            step, cfg.prompts_per_step, cfg.group_size, self.env_options
+        )
         local = collect(
             batch_envs,
             self.codec,
             self.sampler,
             group_ids=groups,
-            max_len=self.cfg.max_len,
+            max_len=cfg.max_len,
             max_new_tokens=self.max_new,
-            temperature=self.cfg.temperature,
-            seed=self.cfg.seed * 7919 + step + jax.process_index() * 1_000_003,
+            temperature=cfg.temperature,
+            seed=sampling_key(cfg.seed, TRAIN_STREAM, step, jax.process_index()),
         )
         return gather_rollouts(local)
 
-    def score(self, rollouts) -> TurnBatch:
+    def score(self, rollouts) -> tuple[TurnBatch, dict[str, float]]:
+        """The batch with old (actor) and reference log-probs, critic values and bootstrap values
+        (the critic's value after the last action token, for truncated rows; 0 for finished
+        ones), and
+        TRACE's answer log-probs; plus what scoring measures (sampler gap, KL to the reference)."""
         b = rollouts.batch
         tokens = self._put(b.tokens)
         old_logp, _ = self._logp(
             self.models.actor, self.state["actor"], tokens, temperature=self.cfg.temperature
         )
         fields = {"old_logp": to_host(old_logp), "logp": to_host(old_logp)}
-        if self.algo.needs_critic:
-            fields["values"] = to_host(
-                self._values(self.models.critic, self.state["critic"], tokens)
+        scored = {
+            "sampler_logp_gap": float(
+                np.abs(np.where(b.loss_mask, b.old_logp - fields["old_logp"], 0)).max(initial=0)
             )
-        if self.algo.kl_coef:
+        }
+        if self.algo.needs_critic:
+            # the bootstrap state: the conversation up to and including its last action token
+            last = np.where(
+                b.loss_mask.any(1), b.loss_mask.shape[1] - np.argmax(b.loss_mask[:, ::-1], 1), 0
+            )
+            lengths = last.astype(np.int32)
+            values, boot = self._values(
+                self.models.critic, self.state["critic"], tokens, self._put(lengths)
+            )
+            fields["values"] = to_host(values)
+            fields["bootstrap_values"] = np.where(b.truncated, to_host(boot), 0).astype(np.float32)
+        if self.algo.kl_coef or self.cfg.log_ref_kl:
             ref, _ = self._logp(
                 self.models.actor, self.state["ref"], tokens, temperature=self.cfg.temperature
             )
             fields["ref_logp"] = to_host(ref)
+            kl = losses.kl_penalty(fields["old_logp"], fields["ref_logp"], b.loss_mask, kind="k3")
+            scored["ref_kl"] = float(np.sum(kl) / max(int(b.loss_mask.sum()), 1))
         if self.algo.needs_reference_answers:
             fields["answer_logprobs"] = self._trace_scores(rollouts)
-        self.sampler_gap = float(
-            np.abs(np.where(b.loss_mask, b.old_logp - fields["old_logp"], 0)).max(initial=0)
-        )
-        return dataclasses.replace(b, **fields)
+        return dataclasses.replace(b, **fields), scored
 
     def _trace_scores(self, rollouts) -> np.ndarray:
         b = rollouts.batch
@@ -227,7 +332,39 @@ class Trainer:
         out[rows, cols] = np.minimum(to_host(scores), 0.0)
         return out
 
+    def credit_metrics(self, rollouts, batch: TurnBatch, credit) -> dict[str, float]:
+        """Advantage statistics, the critic's diagnostics and, where the environment grades each
+        turn's decision, the correlation of the run's credit (``credit_corr``) and of every probe
+        estimator's on the same batch (``credit_corr_<preset>``) with those grades."""
+        mask = batch.loss_mask
+        adv = np.asarray(credit.advantages)
+        out = {"advantage_mean": float(adv[mask].mean()) if mask.any() else 0.0}
+        if batch.values is not None and credit.returns is not None:
+            out["explained_variance"] = float(
+                diagnostics.explained_variance(batch.values, credit.returns, mask)
+            )
+            out["turn_variance_fraction"] = float(
+                diagnostics.median_turn_variance_fraction(batch.values, mask, batch.turn_ids)
+            )
+        quality = rollouts.turn_quality
+        if quality is None or not np.isfinite(quality).any():
+            return out
+
+        def corr(advantages):
+            c = diagnostics.decision_credit_correlation(advantages, mask, batch.turn_ids, quality)
+            return float(c)
+
+        out["credit_corr"] = corr(adv)
+        for algo in self._probe_algos:
+            if algo.needs_critic and batch.values is None:
+                continue
+            probe = self._credit(algo, batch, need_returns=False)
+            out[f"credit_corr_{algo.name}"] = corr(probe.advantages)
+        return {k: v for k, v in out.items() if np.isfinite(v)}
+
     def update(self, batch: TurnBatch, credit) -> dict[str, float]:
+        """Epochs x minibatches of actor (and critic) updates; metrics weighted by tokens (turns
+        for the turn clip fraction), ``ratio_max`` the largest ratio of any update."""
         cfg, algo = self.cfg, self.algo
         data = {
             "tokens": batch.tokens,
@@ -242,18 +379,17 @@ class Trainer:
             data["values"] = batch.values
             data["returns"] = np.asarray(credit.returns)
         rng = np.random.default_rng(cfg.seed * 31 + self.state["step"])
-        sums: dict[str, float] = {}
-        counts = {"skipped": 0, "updates": 0}
+        totals: dict[str, float] = {}
         for _ in range(cfg.epochs):
             for rows in np.array_split(rng.permutation(self.batch_size), cfg.minibatches):
                 mb = {k: v[rows] for k, v in data.items()}
-                self._minibatch(mb, sums, counts)
-        n = max(counts["updates"], 1)
-        out = {k: v / n for k, v in sums.items()}
-        out["skipped_updates"] = counts["skipped"]
-        return out
+                for k, v in self._minibatch(mb).items():
+                    merge = max if k == "ratio_max" else (lambda a, b: a + b)
+                    totals[k] = merge(totals[k], v) if k in totals else v
+        return _summarise_updates(totals)
 
-    def _minibatch(self, mb, sums, counts):
+    def _minibatch(self, mb) -> dict[str, float]:
+        """One optimizer update of the actor (and critic) on a minibatch; returns sums."""
         algo, parts = self.algo, self.cfg.micro_batches
         _, normalizer = losses.aggregate(
             np.zeros(mb["loss_mask"].shape), mb["loss_mask"], mb["turn_ids"], mode=algo.aggregation
@@ -264,41 +400,54 @@ class Trainer:
         if algo.needs_critic:
             _, v_norm = losses.aggregate(np.zeros(mb["loss_mask"].shape), mb["loss_mask"])
             jobs.append(("critic", self.fns.critic_grad, (v_norm,)))
+        out = {"updates": 1.0, "skipped_updates": 0.0}
         for which, grad_fn, extra in jobs:
-            grads, loss, metrics = None, 0.0, {}
+            grads, loss = None, 0.0
             for micro in split_micro(mb, rows, parts):
+                n_tok = float(micro["loss_mask"].sum())
+                n_turns = float((micro["turn_ids"].max(axis=1, initial=-1) + 1).sum())
                 if self.micro_sharding is not None:
                     micro = put_global(micro, self.micro_sharding)
                 (micro_loss, m), g = grad_fn(self.state[which], micro, *extra)
                 grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
                 loss = loss + micro_loss
-                for k, v in m.items():
-                    metrics[k] = metrics.get(k, 0.0) + float(v)
+                if which == "actor":
+                    sums = {
+                        "clip_tokens": float(m["clip_frac"]) * n_tok,
+                        "clip_turns": float(m["turn_clip_frac"]) * n_turns,
+                        "approx_kl_sum": float(m["approx_kl"]) * n_tok,
+                        "entropy_sum": float(m["entropy_sum"]),
+                        "kl_penalty_sum": float(m.get("kl_sum", 0.0)),
+                        "tokens": n_tok,
+                        "turns": n_turns,
+                    }
+                    for k, v in sums.items():
+                        out[k] = out.get(k, 0.0) + v
+                    out["ratio_max"] = max(out.get("ratio_max", 0.0), float(m["ratio_max"]))
             params, opt, ok, gnorm = self.fns.apply(
                 which, self.state[which], self.state[f"{which}_opt"], grads, loss
             )
             self.state[which], self.state[f"{which}_opt"] = params, opt
-            counts["skipped"] += int(not bool(ok))
+            out["skipped_updates"] += float(not bool(ok))
             prefix = "policy" if which == "actor" else "value"
-            acc = {f"{prefix}_loss": float(loss), f"{prefix}_grad_norm": float(gnorm)}
-            if which == "actor":
-                acc.update(
-                    clip_frac=metrics["clip_frac"] / parts,
-                    turn_clip_frac=metrics["turn_clip_frac"] / parts,
-                    kl=metrics["approx_kl"] / parts,
-                    entropy=metrics["entropy_sum"] / tokens,
-                    ratio_max=metrics["ratio_max"] / parts,
-                )
-            for k, v in acc.items():
-                sums[k] = sums.get(k, 0.0) + v
-        counts["updates"] += 1
+            out[f"{prefix}_loss"] = float(loss)
+            out[f"{prefix}_grad_norm"] = float(gnorm)
+        return out
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out tasks (a seed range training never uses): success rate and unbiased pass@k."""
-        cfg = self.cfg
-        k = cfg.eval_k
-        # The same held-out tasks at every evaluation, so the numbers are comparable.
-        batch_envs, groups = self._envs(0, cfg.eval_episodes, k, offset=10**9)
+        """Success rate and unbiased pass@k on held-out tasks (``eval_heldout_*``: the
+        environment's ``--eval-split``, by default tasks training never draws) and, for small task
+        spaces, on fresh episodes of the training split (``eval_fresh_*``). The same tasks at
+        every evaluation, so the numbers are comparable; sampling keys of their own stream."""
+        name = "heldout" if self.cfg.eval_split == "test" else self.cfg.eval_split
+        out = self._evaluate_set(step, name, self.eval_options, 0)
+        if self.eval_fresh:
+            out.update(self._evaluate_set(step, "fresh", self.env_options, 1))
+        return out
+
+    def _evaluate_set(self, step: int, name: str, options: dict, which: int) -> dict[str, float]:
+        cfg, k = self.cfg, self.cfg.eval_k
+        batch_envs, groups = self._envs(0, cfg.eval_episodes, k, options, offset=EVAL_TASK_OFFSET)
         if self.eval_sampler is None:
             self.eval_sampler = Sampler(
                 nnx.merge(self.models.actor, self._local_params()),
@@ -306,6 +455,7 @@ class Trainer:
                 capacity=cfg.max_len,
             )
         self.eval_sampler.state = self._local_params()
+        key = sampling_key(cfg.seed, EVAL_STREAM, step * 2 + which, jax.process_index())
         out = collect(
             batch_envs,
             self.codec,
@@ -314,92 +464,115 @@ class Trainer:
             max_len=cfg.max_len,
             max_new_tokens=self.max_new,
             temperature=cfg.temperature,
-            seed=10**6 + step,
+            seed=key,
         )
         success = gather_array(np.array([ep["success"] for ep in out.episodes], float))
-        success = success.reshape(-1, k)
-        correct = success.sum(axis=1).astype(int)
+        correct = success.reshape(-1, k).sum(axis=1).astype(int)
         return {
-            "eval_success_rate": float(success.mean()),
-            "eval_pass@1": float(np.mean([pass_at_k(k, c, 1) for c in correct])),
-            f"eval_pass@{k}": float(np.mean([pass_at_k(k, c, k) for c in correct])),
+            f"eval_{name}_success_rate": float(success.mean()),
+            f"eval_{name}_pass@1": float(np.mean([pass_at_k(k, c, 1) for c in correct])),
+            f"eval_{name}_pass@{k}": float(np.mean([pass_at_k(k, c, k) for c in correct])),
         }
 
 
-def step_metrics(rollouts, batch: TurnBatch, credit) -> dict[str, float]:
+def _summarise_updates(totals: dict[str, float]) -> dict[str, float]:
+    """Sums over a step's updates -> the logged figures: losses and norms averaged over updates,
+    fractions weighted by tokens (turns), the largest ratio, the skipped count."""
+    n = max(totals.pop("updates", 1.0), 1.0)
+    tokens, turns = max(totals.pop("tokens", 0.0), 1.0), max(totals.pop("turns", 0.0), 1.0)
+    out = {
+        "skipped_updates": int(totals.pop("skipped_updates", 0)),
+        "clip_frac": totals.pop("clip_tokens", 0.0) / tokens,
+        "turn_clip_frac": totals.pop("clip_turns", 0.0) / turns,
+        "approx_kl": totals.pop("approx_kl_sum", 0.0) / tokens,
+        "entropy": totals.pop("entropy_sum", 0.0) / tokens,
+        "ratio_max": totals.pop("ratio_max", 0.0),
+    }
+    kl_penalty = totals.pop("kl_penalty_sum", 0.0)
+    if kl_penalty:
+        out["kl_penalty"] = kl_penalty / tokens
+    out.update({k: v / n for k, v in totals.items()})
+    return out
+
+
+def rollout_metrics(rollouts) -> dict[str, float]:
+    """Per-step means of the episodes' outcomes, how they ended, and the environments' own
+    figures (exact match, F1, evidence recall, db match, question pass rate; over the episodes
+    that report them)."""
     eps = rollouts.episodes
-    mask = batch.loss_mask
+    truncated = np.array([e["truncated"] for e in eps], bool)
+    by_length = np.array([e.get("length_cut", False) for e in eps], bool)
     out = {
         "success_rate": float(np.mean([e["success"] for e in eps])),
         "reward_mean": float(np.mean([e["reward"] for e in eps])),
         "turns_mean": float(np.mean([e["turns"] for e in eps])),
-        "truncated_frac": float(np.mean([e["truncated"] for e in eps])),
+        "truncated_frac": float(truncated.mean()),
+        "length_cut_frac": float(by_length.mean()),
+        "turn_limit_frac": float((truncated & ~by_length).mean()),
         "tokens": int(sum(e["tokens"] for e in eps)),
-        "action_tokens": int(mask.sum()),
-        "advantage_mean": float(np.asarray(credit.advantages)[mask].mean()) if mask.any() else 0.0,
+        "action_tokens": int(rollouts.batch.loss_mask.sum()),
     }
-    if batch.values is not None and credit.returns is not None:
-        out["explained_variance"] = float(
-            diagnostics.explained_variance(batch.values, credit.returns, mask)
-        )
-        out["turn_variance_fraction"] = float(
-            diagnostics.median_turn_variance_fraction(batch.values, mask, batch.turn_ids)
-        )
+    for key in EPISODE_FIGURES:
+        values = [float(e[key]) for e in eps if key in e]
+        if values:
+            out[f"env_{key}"] = float(np.mean(values))
     return out
+
+
+def _refusal(cfg: TrainConfig, run_dir: Path) -> str | None:
+    """Why this start must not touch ``run_dir`` (read-only checks), or None."""
+    if cfg.resume:
+        return None  # parse_args checked that the run's config.json exists
+    has_checkpoints = (run_dir / "checkpoints").is_dir() and any(
+        (run_dir / "checkpoints").iterdir()
+    )
+    if has_checkpoints or (run_dir / "config.json").exists():
+        return (
+            f"{run_dir} holds a run; pass --resume to continue it or choose another --run-dir "
+            "(nothing was written)"
+        )
+    return None
+
+
+def _write_config(trainer: Trainer, path: Path) -> None:
+    """config.json for a new run; on resume, rewritten only when a resumable field changed."""
+    cfg = trainer.cfg
+    if cfg.resume and path.exists():
+        stored = json.loads(path.read_text())
+        changed = {k: getattr(cfg, k) for k in RESUMABLE if stored.get(k) != getattr(cfg, k)}
+        if not changed:
+            return
+        cfg = dataclasses.replace(cfg, run_dir=stored.get("run_dir", cfg.run_dir), **changed)
+    write_config(cfg, path, algorithm=trainer.resolved())
 
 
 def main(argv: list[str] | None = None) -> int:
     """One process of a run (several under ``jax.distributed``; see train/distributed.py). With
     several, the run directory must be on a filesystem they share; process 0 writes the config
-    and metrics, and all of them write their checkpoint shards."""
+    and metrics, and all of them write their checkpoint shards. Nothing is written before every
+    check has passed."""
     initialize_from_env()
     cfg = parse_args(argv)
     run_dir = Path(cfg.run_dir)
-    lead = jax.process_index() == 0
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if lead:
-        save_config(cfg, run_dir / "config.json")
-    trainer = Trainer(cfg)
-    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
-    if cfg.resume and checkpoints.latest() is not None:
-        trainer.state = checkpoints.restore(trainer.state)
-    elif not cfg.resume and checkpoints.latest() is not None:
-        print(
-            f"{run_dir} has checkpoints; pass --resume to continue it or choose another --run-dir",
-            file=sys.stderr,
-        )
+    refusal = _refusal(cfg, run_dir)
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 2
+    trainer = Trainer(cfg)
+    cfg = trainer.cfg
+    lead = jax.process_index() == 0
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_config(trainer, run_dir / "config.json")
+    checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+    if checkpoints.latest() is not None:
+        trainer.state = checkpoints.restore(trainer.state)
     start = int(trainer.state["step"])
     log = None
     if lead:
         log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
     for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        rollouts = trainer.rollout(step)
-        t1 = time.perf_counter()
-        batch = trainer.score(rollouts)
-        credit = algorithms.compute_advantages(trainer.algo, batch)
-        t2 = time.perf_counter()
-        update = trainer.update(batch, credit)
-        t3 = time.perf_counter()
-        trainer.state["step"] = step + 1
-        metrics = {"step": step + 1, **step_metrics(rollouts, batch, credit), **update}
-        total = t3 - t0
-        tokens = metrics["tokens"]
-        metrics.update(
-            rollout_s=t1 - t0,
-            scoring_s=t2 - t1,
-            update_s=t3 - t2,
-            rollout_tok_s=tokens / max(t1 - t0, 1e-9),
-            scoring_tok_s=tokens / max(t2 - t1, 1e-9),
-            update_tok_s=tokens / max(t3 - t2, 1e-9),
-            rollout_frac=(t1 - t0) / total,
-            scoring_frac=(t2 - t1) / total,
-            update_frac=(t3 - t2) / total,
-            sampler_logp_gap=trainer.sampler_gap,
-        )
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            metrics.update(trainer.evaluate(step + 1))
+        metrics = trainer.step(step)
         if log is not None:
             log.write(metrics)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:

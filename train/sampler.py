@@ -114,6 +114,13 @@ def _sample(logits, key, temperature: float, top_k: int, top_p: float):
     return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
 
+def as_key(seed) -> jax.Array:
+    """A PRNG key from an int seed, or the key itself."""
+    if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        return seed
+    return jax.random.key(seed)
+
+
 class Sampler:
     """A batch of live conversations sharing one preallocated KV cache.
 
@@ -199,6 +206,7 @@ class Sampler:
         """Samples up to ``max_new_tokens`` for every active row, continuing each conversation.
 
         A row stops after a stop id (which is kept), at ``max_new_tokens``, or at capacity.
+        ``seed`` is an int or a JAX PRNG key.
         """
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
@@ -213,7 +221,7 @@ class Sampler:
             jnp.asarray(self.lengths),
             self.next_logits,
             jnp.asarray(act),
-            jax.random.key(seed),
+            as_key(seed),
             int(max_new_tokens),
             float(temperature),
             int(top_k),

@@ -26,6 +26,7 @@ __all__ = [
     "param_shardings",
     "shard_params",
     "batch_sharding",
+    "batch_ways",
 ]
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -108,3 +109,11 @@ def shard_params(state: nnx.State, mesh, rules=DEFAULT_RULES) -> nnx.State:
 def batch_sharding(mesh, rules=DEFAULT_RULES) -> NamedSharding:
     """Rows of a batch split over the data-parallel axes."""
     return NamedSharding(mesh, PartitionSpec(dict(rules)["batch"]))
+
+
+def batch_ways(mesh, rules=DEFAULT_RULES) -> int:
+    """How many ways :func:`batch_sharding` splits the rows: the product of the data axes' sizes.
+    A batch is placed row-split only when its rows divide by it (the one divisibility rule)."""
+    axes = dict(rules)["batch"]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return int(np.prod([mesh.shape[a] for a in axes]))

@@ -48,6 +48,7 @@ class SearchEnv(ToolEnv):
         index: SearchIndex | None = None,
     ):
         self.index = index or default_index()
+        self.split = split
         self.pool = questions(split)
         self.rng = np.random.default_rng(seed)
         self.fixed_question = question

@@ -39,7 +39,11 @@ def spy(local):
 
 run.gather_rollouts = spy
 rollouts = trainer.rollout(0)
-batch = trainer.score(rollouts)
+# the environments' own figures and the turn grades travel with the gathered episodes
+rows = len(rollouts.batch.tokens)
+assert len(rollouts.episodes) == rows and all("tool_calls" in e for e in rollouts.episodes)
+assert rollouts.turn_quality.shape[0] == rows
+batch, _ = trainer.score(rollouts)
 credit = algorithms.compute_advantages(trainer.algo, batch)
 metrics = trainer.update(batch, credit)
 

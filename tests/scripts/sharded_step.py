@@ -33,7 +33,7 @@ critic = Qwen3ValueModel.from_policy(actor, rngs=nnx.Rngs(1))
 adef, aparams = nnx.split(actor)
 cdef, cparams = nnx.split(critic)
 algo = algorithms.get("mpo")
-tx = make_optimizer(1e-2, warmup=1, clip=1.0, weight_decay=0.0)
+tx = make_optimizer(1e-2, warmup_steps=1, clip=1.0, weight_decay=0.0)
 fns = UpdateFns(Models(adef, cdef), algo, tx, tx, temperature=1.0)
 
 rng = np.random.default_rng(0)

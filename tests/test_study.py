@@ -1,0 +1,108 @@
+"""The credit-assignment study: its arithmetic on made-up curves, and the runner at tiny size."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from train import study
+from train.study_stats import bootstrap_ci, mean_band, normalised_auc, steps_to_threshold
+
+
+def test_normalised_auc_is_the_mean_height_of_the_curve():
+    assert normalised_auc([0, 10], [0.0, 1.0]) == pytest.approx(0.5)  # a ramp
+    assert normalised_auc([0, 1, 3], [0.2, 0.2, 0.2]) == pytest.approx(0.2)  # flat, uneven steps
+    # a step up halfway through (trapezoid between 5 and 6)
+    assert normalised_auc([0, 5, 6, 10], [0, 0, 1, 1]) == pytest.approx((0.5 + 4) / 10)
+    assert normalised_auc([7], [0.3]) == 0.3
+    with pytest.raises(ValueError, match="steps must increase"):
+        normalised_auc([0, 0], [1, 1])
+    with pytest.raises(ValueError, match="equal-length"):
+        normalised_auc([0, 1], [1])
+
+
+def test_steps_to_threshold_is_the_first_crossing():
+    assert steps_to_threshold([20, 40, 60], [0.1, 0.5, 0.9], 0.5) == 40
+    assert steps_to_threshold([20, 40, 60], [0.6, 0.1, 0.9], 0.5) == 20
+    assert steps_to_threshold([20, 40], [0.1, 0.2], 0.5) is None
+
+
+def test_bootstrap_ci_brackets_the_mean_and_shrinks_with_agreement():
+    mean, low, high = bootstrap_ci([0.2, 0.4, 0.6])
+    assert mean == pytest.approx(0.4) and 0.2 <= low < mean < high <= 0.6
+    assert bootstrap_ci([0.5, 0.5, 0.5]) == pytest.approx((0.5, 0.5, 0.5))
+    assert bootstrap_ci([0.7]) == (0.7, 0.7, 0.7)
+    assert all(np.isnan(bootstrap_ci([None, float("nan")])))
+    # coverage on a known distribution: the 95% interval of 30 normal samples holds the true mean
+    # most of the time (percentile bootstrap: somewhat under 95% at small n)
+    rng = np.random.default_rng(0)
+    hits = 0
+    for i in range(200):
+        _, lo, hi = bootstrap_ci(rng.normal(1.0, 1.0, size=30), resamples=2000, seed=i)
+        hits += lo <= 1.0 <= hi
+    assert 0.85 <= hits / 200 <= 0.99, hits
+    wide = bootstrap_ci([0.0, 1.0, 0.0, 1.0])
+    narrow = bootstrap_ci([0.45, 0.55, 0.45, 0.55])
+    assert wide[2] - wide[1] > narrow[2] - narrow[1]
+
+
+def test_mean_band_per_step():
+    mean, low, high = mean_band([[0.0, 1.0], [0.2, 1.0], [0.4, 1.0]])
+    np.testing.assert_allclose(mean, [0.2, 1.0])
+    assert low[0] < 0.2 < high[0] and low[1] == high[1] == 1.0
+    with pytest.raises(ValueError, match=r"\[seeds, steps\]"):
+        mean_band([0.1, 0.2])
+
+
+def _fake_run(root, cell, curve, wall=10.0):
+    d = cell.run_dir(root)
+    d.mkdir(parents=True)
+    rows = []
+    for step, value in curve:
+        rows.append({"step": step, "success_rate": value, "eval_heldout_success_rate": value,
+                     "explained_variance": 0.5, "credit_corr": 0.3})  # fmt: skip
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "study.json").write_text(json.dumps({"wall_s": wall}))
+
+
+def test_summarise_aggregates_seeds_and_skips_unfinished_runs(tmp_path):
+    cells = study.grid(["synthetic-keydoor"], ["mpo", "grpo"], 3)
+    for seed, top in enumerate((0.6, 0.8, 1.0)):
+        _fake_run(tmp_path, study.Cell("synthetic-keydoor", "mpo", seed), [(10, 0.1), (20, top)])
+    _fake_run(tmp_path, study.Cell("synthetic-keydoor", "grpo", 0), [(10, 0.1), (20, 0.2)])
+    unfinished = study.Cell("synthetic-keydoor", "grpo", 1).run_dir(tmp_path)
+    unfinished.mkdir(parents=True)
+    (unfinished / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")  # no study.json
+    results = study.summarise(tmp_path, cells)["synthetic-keydoor"]
+    mpo = results["mpo"]["figures"]
+    assert results["mpo"]["seeds"] == 3 and results["grpo"]["seeds"] == 1
+    assert mpo["heldout_final"]["mean"] == pytest.approx(0.8)
+    assert mpo["heldout_final"]["low"] < 0.8 < mpo["heldout_final"]["high"]
+    assert mpo["heldout_auc"]["mean"] == pytest.approx(np.mean([0.35, 0.45, 0.55]))
+    assert mpo["steps_to_threshold"] == {"reached": 3, "of": 3, "mean": 20.0}
+    assert results["grpo"]["figures"]["steps_to_threshold"] == {"reached": 0, "of": 1}
+    assert results["mpo"]["curves"]["heldout"]["steps"] == [10, 20]
+    text = study.markdown(study.summarise(tmp_path, cells), study.SIZES["tiny"], ["mpo", "grpo"])
+    assert "| mpo | 80 [" in text and "| grpo | 20 |" in text
+
+
+def test_the_study_runs_resumes_and_reports_at_tiny_size(tmp_path):
+    args = ["--size", "tiny", "--envs", "synthetic-keydoor", "--variants", "mpo,grpo",
+            "--seeds", "1", "--jobs", "2", "--runs", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    assert study.main(args) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    cells = data["results"]["synthetic-keydoor"]
+    assert set(cells) == {"mpo", "grpo"}
+    assert "heldout_final" in cells["mpo"]["figures"]
+    assert (tmp_path / "out" / "curves_synthetic-keydoor.png").read_bytes()[:4] == b"\x89PNG"
+    assert "## synthetic-keydoor" in (tmp_path / "out" / "results.md").read_text()
+    # a second call skips the finished runs (their markers stay as they were)
+    marker = tmp_path / "runs" / "synthetic-keydoor" / "mpo" / "seed0" / "study.json"
+    before = marker.read_text()
+    record = study.run_cell(study.Cell("synthetic-keydoor", "mpo", 0), tmp_path / "runs", {})
+    assert record["skipped"] and marker.read_text() == before
+    with pytest.raises(SystemExit, match="unknown"):
+        study.main([*args, "--variants", "nope"])
