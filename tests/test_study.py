@@ -84,7 +84,7 @@ def test_summarise_aggregates_seeds_and_skips_unfinished_runs(tmp_path):
     assert mpo["steps_to_threshold"] == {"reached": 3, "of": 3, "mean": 20.0}
     assert results["grpo"]["figures"]["steps_to_threshold"] == {"reached": 0, "of": 1}
     assert results["mpo"]["curves"]["heldout"]["steps"] == [10, 20]
-    text = study.markdown(study.summarise(tmp_path, cells), study.SIZES["tiny"], ["mpo", "grpo"])
+    text = study.markdown(study.summarise(tmp_path, cells), "tiny", ["mpo", "grpo"])
     assert "| mpo | 80 [" in text and "| grpo | 20 |" in text
 
 
@@ -102,7 +102,7 @@ def test_the_study_runs_resumes_and_reports_at_tiny_size(tmp_path):
     # a second call skips the finished runs (their markers stay as they were)
     marker = tmp_path / "runs" / "synthetic-keydoor" / "mpo" / "seed0" / "study.json"
     before = marker.read_text()
-    record = study.run_cell(study.Cell("synthetic-keydoor", "mpo", 0), tmp_path / "runs", {})
+    record = study.run_cell(study.Cell("synthetic-keydoor", "mpo", 0), tmp_path / "runs", "tiny")
     assert record["skipped"] and marker.read_text() == before
     with pytest.raises(SystemExit, match="unknown"):
         study.main([*args, "--variants", "nope"])

@@ -31,7 +31,18 @@ import numpy as np
 from train.metrics import read_metrics
 from train.study_stats import bootstrap_ci, mean_band, normalised_auc, steps_to_threshold
 
-__all__ = ["VARIANTS", "ENVS", "SIZES", "Cell", "grid", "run_cell", "summarise", "main"]
+__all__ = [
+    "VARIANTS",
+    "ENVS",
+    "SIZES",
+    "Cell",
+    "grid",
+    "run_size",
+    "run_cell",
+    "summarise",
+    "markdown",
+    "main",
+]
 
 # variant name -> (preset, --algo-set overrides). The MPO ablations are the paper's.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -54,40 +65,50 @@ QUICK_VARIANTS = ("mpo", "turn_ppo", "ppo", "grpo")
 
 ENVS = ("synthetic-nav-longturns", "synthetic-keydoor", "synthetic-nav-noisy")
 
-# The sizes of one run, the same for every preset (flags of train.run).
-_COMMON = {"--eval-k": 4, "--checkpoint-every": 20, "--no-progress": None}
-SIZES: dict[str, dict[str, Any]] = {
+# The sizes of one run, the same for every preset (flags of train.run), per environment: sized so
+# that the whole grid fits about an hour of this project's 2-core CPU (see benchmarks/credit/).
+_COMMON = {"--eval-k": 4, "--eval-every": 20, "--eval-episodes": 32, "--no-progress": None}
+_STEP = {"--prompts-per-step": 16, "--group-size": 4}
+_LONG = {"--prompts-per-step": 8, "--group-size": 4, "--eval-every": 10, "--eval-episodes": 16}
+SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "full": {
-        "--steps": 120,
-        "--prompts-per-step": 16,
-        "--group-size": 4,
-        "--eval-every": 20,
-        "--eval-episodes": 32,
-        **_COMMON,
+        "synthetic-keydoor": {"--steps": 80, **_STEP, **_COMMON},
+        "synthetic-nav-noisy": {"--steps": 100, **_STEP, **_COMMON},
+        "synthetic-nav-longturns": {"--steps": 50, **_COMMON, **_LONG},
     },
     "quick": {
-        "--steps": 60,
-        "--prompts-per-step": 16,
-        "--group-size": 4,
-        "--eval-every": 20,
-        "--eval-episodes": 32,
-        **_COMMON,
+        "synthetic-keydoor": {"--steps": 40, **_STEP, **_COMMON},
+        "synthetic-nav-noisy": {"--steps": 40, **_STEP, **_COMMON},
+        "synthetic-nav-longturns": {"--steps": 20, **_COMMON, **_LONG},
     },
     "tiny": {  # for the test of the study itself
-        "--steps": 2,
-        "--prompts-per-step": 2,
-        "--group-size": 2,
-        "--eval-every": 1,
-        "--eval-episodes": 2,
-        "--eval-k": 2,
-        "--layers": 1,
-        "--width": 32,
-        "--heads": 2,
-        "--kv-heads": 1,
-        "--checkpoint-every": 1,
-        "--no-progress": None,
+        "*": {
+            "--steps": 2,
+            "--prompts-per-step": 2,
+            "--group-size": 2,
+            "--eval-every": 1,
+            "--eval-episodes": 2,
+            "--eval-k": 2,
+            "--layers": 1,
+            "--width": 32,
+            "--heads": 2,
+            "--kv-heads": 1,
+            "--checkpoint-every": 1,
+            "--no-progress": None,
+        }
     },
 }
+
+
+def run_size(size: str, env: str) -> dict[str, Any]:
+    """The flags of one run of ``env`` at ``size`` (an environment outside the table gets the
+    largest-budget entry's flags)."""
+    table = SIZES[size]
+    if env in table:
+        return table[env]
+    return table.get("*") or table["synthetic-nav-noisy"]
+
+
 THRESHOLD = 0.5  # "steps to reach": the first evaluation with held-out success >= this
 HELDOUT, FRESH = "eval_heldout_success_rate", "eval_fresh_success_rate"
 PAPER_TURN_VARIANCE = 0.895  # MPO paper: median between-turn share of the critic's variance
@@ -114,8 +135,8 @@ def _flags(size: dict[str, Any]) -> list[str]:
     return out
 
 
-def run_cell(cell: Cell, root: Path, size: dict[str, Any], *, threads: int = 0) -> dict:
-    """Runs (or resumes, or skips) one cell through ``python -m train.run``."""
+def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
+    """Runs (or resumes, or skips) one cell through ``python -m train.run`` at ``size``."""
     run_dir = cell.run_dir(root)
     marker = run_dir / "study.json"
     if marker.exists():
@@ -127,7 +148,8 @@ def run_cell(cell: Cell, root: Path, size: dict[str, Any], *, threads: int = 0) 
         sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
         cmd = [
             "--env", cell.env, "--preset", preset, "--seed", str(cell.seed),
-            "--run-dir", str(run_dir), *_flags(size), *(["--algo-set", *sets] if sets else []),
+            "--run-dir", str(run_dir), *_flags(run_size(size, cell.env)),
+            *(["--algo-set", *sets] if sets else []),
         ]  # fmt: skip
     env = dict(os.environ)
     if threads:  # one run per core: keep XLA's CPU thread pool to its share
@@ -235,7 +257,7 @@ def _ci(fig: dict | None, pct: bool = True) -> str:
     return text
 
 
-def markdown(results: dict[str, Any], size: dict[str, Any], variants) -> str:
+def markdown(results: dict[str, Any], size: str, variants) -> str:
     lines = [
         "# Credit-assignment study: results",
         "",
@@ -248,12 +270,12 @@ def markdown(results: dict[str, Any], size: dict[str, Any], variants) -> str:
         "run's own advantage on each turn's decisive token with the task's ground-truth grade "
         "of that decision.",
         "",
-        "Run size (every preset alike): " + " ".join(_flags(size)),
-        "",
     ]
     for env, by_variant in results.items():
         lines += [
             f"## {env}",
+            "",
+            f"Run size (every preset alike): `{' '.join(_flags(run_size(size, env)))}`",
             "",
             "| variant | held-out final | held-out AUC | fresh final | fresh AUC | steps to 50% "
             "| EV | TVF | corr | wall s | seeds |",
@@ -354,7 +376,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="aggregate existing runs only")
     args = parser.parse_args(argv)
     size_name = args.size or ("quick" if args.quick else "full")
-    size = SIZES[size_name]
     env_names = args.envs.split(",") if args.envs else list(ENVS)
     variants = (
         args.variants.split(",")
@@ -372,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only:
         threads = args.threads if args.jobs > 1 else 0
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-            futures = {pool.submit(run_cell, c, root, size, threads=threads): c for c in cells}
+            futures = {pool.submit(run_cell, c, root, size_name, threads=threads): c for c in cells}
             for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
                 rec = fut.result()
                 state = "skipped (done)" if rec["skipped"] else f"{rec['wall_s']:.0f} s"
@@ -381,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
         "size": size_name,
-        "flags": _flags(size),
+        "flags": {e: _flags(run_size(size_name, e)) for e in env_names},
         "seeds": seeds,
         "jobs": args.jobs,
         "wall_s": time.perf_counter() - started,
@@ -389,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "results.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
     )
-    (out_dir / "results.md").write_text(markdown(results, size, variants))
+    (out_dir / "results.md").write_text(markdown(results, size_name, variants))
     plot(results, out_dir)
     print(f"wrote {out_dir}/results.md, results.json and curves_*.png in {meta['wall_s']:.0f} s")
     return 0
