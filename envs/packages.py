@@ -1,8 +1,9 @@
 """Where the environments' data packages are installed, found without importing them.
 
-The data packages (DESIGN.md §7) are installed ``--no-deps`` by the project's install step: their
-own dependency pins (old numpy, vllm, LLM-provider SDKs) are wrong for us, so importing their
-top-level modules may fail; their data files are read from the package folder instead.
+The data packages (docs/design.md §6) are installed ``--no-deps`` by the project's install
+step: their own dependency pins (old numpy, vllm, LLM-provider SDKs) are wrong for us, so
+importing their top-level modules may fail; their data files are read from the package folder
+instead.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each round makes one batched call to the policy (the KV-cache sampler, or a scripted policy in
 tests) for every live episode, then steps each environment with its turn's text. Sampled ids are
 kept exactly as sampled; each observation is encoded once and appended to the live cache; the
-conversation is never re-rendered. The result is the padded turn-segment batch of DESIGN.md §2.
+conversation is never re-rendered. The result is the padded turn-segment batch of docs/design.md §2.
 
 A policy has the :class:`train.sampler.Sampler` interface: ``start(prompts)``,
 ``generate(max_new_tokens=..., temperature=..., stop_ids=..., seed=..., active=...)`` returning

@@ -6,7 +6,7 @@ Builds a small batch of agent trajectories (prompt, assistant turns, tool observ
 with a critic whose values move mostly at turn boundaries, validates it, and prints:
 
 1. one trajectory's tokens with the credit each estimator gives them;
-2. per preset of DESIGN.md's table: the mean advantage per turn of that trajectory;
+2. per preset (docs/design.md §3): the mean advantage per turn of that trajectory;
 3. the checks the library promises (MAE keeps each turn's mean; β = 0 is turn GAE; group
    advantages sum to zero) and the critic diagnostics the trainer logs.
 """

@@ -1,6 +1,6 @@
 """mpo-jax: credit assignment for multi-turn LLM agents (MPO, TRACE, PPO, GRPO-family), in JAX.
 
-The core is pure, jittable functions on padded [B, T] turn-segment arrays (DESIGN.md §2):
+The core is pure, jittable functions on padded [B, T] turn-segment arrays (docs/design.md §2):
 
     from mpo_jax import advantages, losses
     adv = advantages.multiscale_advantages(rewards, values, loss_mask, turn_ids,

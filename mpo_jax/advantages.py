@@ -1,4 +1,4 @@
-"""Every advantage estimator of DESIGN.md §3, as pure jittable functions on padded [B, T] arrays.
+"""Every advantage estimator of docs/design.md §3, as pure jittable functions on [B, T] arrays.
 
 Notation, per trajectory: the action (``loss_mask``) positions of turn k are S_k, in order;
 s_k is the first of them; K turns. Observation tokens carry no reward, value or discount: every

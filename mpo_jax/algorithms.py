@@ -1,4 +1,4 @@
-"""The named algorithm presets of DESIGN.md's table, and one function that computes their credit.
+"""The named algorithm presets (docs/design.md §3), and one function that computes their credit.
 
 A preset is a frozen :class:`Algorithm`: which estimator, its hyperparameters (the papers'
 defaults where they give them; ours, marked, where they are silent), the ratio level and

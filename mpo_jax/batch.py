@@ -1,4 +1,4 @@
-"""The padded turn-segment layout (DESIGN.md §2), its host-side validation, and segment helpers.
+"""The padded turn-segment layout (docs/design.md §2), its host-side validation, segment helpers.
 
 A batch holds B trajectories padded to T tokens. ``loss_mask`` marks the tokens the policy sampled;
 ``turn_ids`` numbers the assistant turns 0, 1, ..., K_b - 1 on those tokens and is -1 elsewhere.
@@ -38,7 +38,7 @@ __all__ = [
 
 @struct.dataclass
 class TurnBatch:
-    """B trajectories padded to T tokens (DESIGN.md §2). Optional fields may be ``None``.
+    """B trajectories padded to T tokens (docs/design.md §2). Optional fields may be ``None``.
 
     Attributes:
       tokens: [B, T] int token ids.
@@ -411,7 +411,7 @@ def place_on_turn_ends(
 ) -> jax.Array:
     """[B, T]: ``per_turn[b, k]`` on the last action token of turn k, 0 elsewhere.
 
-    The layout for dense turn rewards (DESIGN.md §2): e.g. TRACE's turn credit fed to MAE.
+    The layout for dense turn rewards (docs/design.md §2): e.g. TRACE's turn credit fed to MAE.
     """
     ends = turn_end_mask(loss_mask, turn_ids)
     return jnp.where(ends, broadcast_turn_values(per_turn, loss_mask, turn_ids), 0)

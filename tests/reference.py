@@ -1,4 +1,4 @@
-"""Slow, obviously-correct NumPy float64 transcriptions of DESIGN.md §3, one trajectory at a time.
+"""Slow, obviously-correct NumPy float64 transcriptions of docs/design.md §3, row by row.
 
 They loop over the compacted action positions exactly as the formulas are written, so the fast
 estimators are checked against the math, not against themselves.

