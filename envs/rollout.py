@@ -49,8 +49,14 @@ class Rollouts:
     ``boundary_lengths[b, k]`` is the prefix length at tool-call boundary k (0: the prompt; k: after
     turn k-1 and its observation); ``answer_ids`` are the gold answers' ids (TRACE).
     ``turn_quality[b, k]`` is the environment's ``action_quality`` of turn k (NaN where it gives
-    none). Each episode summary says whether it was ``truncated`` and, apart from that, whether the
-    length budget cut it (``length_cut``) rather than the environment's turn budget.
+    none). Each episode summary says whether it was ``truncated`` (by the environment's turn budget
+    or by the rollout) and, apart from that, whether the length budget cut it (``length_cut``).
+
+    ``batch.truncated`` marks the rows whose outcome is unknown: the rollout cut them before the
+    environment ended them (the length budget, a full cache, an environment that raised), so a
+    critic bootstraps them. An episode the environment ended, by success or by its own turn budget,
+    is finished for the learner: its reward is final (a turn budget is a rule of the task: running
+    out of turns is failing it).
     """
 
     batch: TurnBatch
@@ -74,6 +80,7 @@ class _Episode:
     active: bool = True
     truncated: bool = False
     length_cut: bool = False
+    broken: bool = False  # the environment raised
     success: bool = False
     total_reward: float = 0.0
     errors: int = 0
@@ -158,7 +165,7 @@ def collect(
                 result = env.step(codec.turn_text(ids))
             except Exception as e:  # noqa: BLE001  (one broken environment never kills a run)
                 ep.turns += 1
-                ep.active, ep.truncated = False, True
+                ep.active, ep.truncated, ep.broken = False, True, True
                 ep.errors += 1
                 ep.last_info = {"env_exception": f"{type(e).__name__}: {e}"}
                 continue
@@ -220,7 +227,7 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
         turn_ids=tid,
         rewards=rewards,
         group_ids=np.asarray(group_ids, np.int32),
-        truncated=np.array([ep.truncated for ep in episodes]),
+        truncated=np.array([ep.length_cut or ep.broken for ep in episodes]),
         old_logp=logp,
         boundary_mask=boundary_mask,
         step_keys=step_keys,

@@ -47,7 +47,9 @@ class TurnBatch:
       rewards: [B, T] float; the outcome on the last ``loss_mask`` token, dense turn rewards on
         each turn's last token, zero elsewhere.
       group_ids: [B] int, rollouts of the same prompt share an id.
-      truncated: [B] bool, the episode was cut rather than finished.
+      truncated: [B] bool, the episode was cut before it finished, so its outcome is unknown and
+        critic presets bootstrap it (the rollout's length budget; not a turn budget that is a
+        rule of the task, whose outcome is final).
       values: [B, T] float critic values of the state before each token.
       logp, old_logp, ref_logp: [B, T] float log-probs under current, rollout, reference policy.
       bootstrap_values: [B] float, the critic's value after the last token (used when truncated).

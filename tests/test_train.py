@@ -335,12 +335,15 @@ def test_evaluation_is_held_out_and_fresh_under_their_own_names(tmp_path):
 
 
 def test_truncated_rows_are_bootstrapped_with_the_critic_and_finished_rows_are_not(tmp_path):
-    trainer = run.Trainer(parse_args(flags(tmp_path, "--prompts-per-step", "8")))
+    # a length budget shorter than the longest episode: some rows are cut (outcome unknown)
+    trainer = run.Trainer(parse_args(flags(tmp_path, "--prompts-per-step", "32", "--max-len", "20")))
     # the value head starts at zero: move it so that the critic says something
     trainer.state["critic"] = jax.tree.map(lambda x: x + 0.05, trainer.state["critic"])
     rollouts = trainer.rollout(0)
     batch, _ = trainer.score(rollouts)
     assert batch.truncated.any() and (~batch.truncated).any()
+    cut = np.array([e["length_cut"] for e in rollouts.episodes])
+    np.testing.assert_array_equal(batch.truncated, cut)  # the turn budget's endings are final
     np.testing.assert_array_equal(batch.bootstrap_values[~batch.truncated], 0)
     # the bootstrap is the critic's value of the whole conversation (after its last token)
     from flax import nnx
