@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()
-    from train.chat import ChatFormat, load_tokenizer
+    from envs.chat import ChatFormat, load_tokenizer
 
     chat = ChatFormat(load_tokenizer())
     episodes = args.tasks * args.group

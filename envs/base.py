@@ -16,8 +16,10 @@ Attributes the trainer reads: ``split`` ("train" or "test": every environment dr
 one split, so held-out evaluation never sees a training task), ``task_id`` (the current episode's
 task, hashable, after ``reset``), ``eval_fresh`` (whether fresh episodes of the training split are
 worth evaluating beside the held-out ones: small task spaces), ``max_episode_tokens(codec)`` (the
-longest episode in tokens, or None when unknown) and ``codec`` (the text <-> token codec an
-environment speaks, or None for the Qwen3 chat format).
+longest episode in tokens, or None when unknown) and ``codec`` (the text <-> token codec the
+environment speaks: :class:`envs.rollout.Codec`; the chat environments speak Qwen3's format,
+:func:`envs.chat.qwen3_chat_format`), plus ``state_key`` (GiGPO's key of the current state) and
+``gold_answer`` (TRACE's gold answer) as attributes.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class Env(abc.ABC):
     max_turns: int = 8
     split: str = "train"
     eval_fresh: bool = False
-    codec = None
+    codec: Any = None  # every environment names its codec (see the module docstring)
 
     @property
     def task_id(self):

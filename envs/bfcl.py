@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from envs.base import Observation
+from envs.chat import format_tool_call
 from envs.packages import package_dir
 from envs.splits import check_split, split_indices
 from envs.tool_env import Response, ToolEnv
@@ -357,8 +358,6 @@ class BFCLEnv(ToolEnv):
     # -- a scripted agent, for tests and benchmarks -----------------------------------------
     def oracle_turn(self) -> str:
         """The gold calls of the current question (then, once they ran, a plain reply)."""
-        from train.chat import format_tool_call
-
         if self._oracle_done == self.question or not self.task.gold[self.question]:
             return "Done."
         self._oracle_done = self.question

@@ -5,10 +5,10 @@ tests) for every live episode, then steps each environment with its turn's text.
 kept exactly as sampled; each observation is encoded once and appended to the live cache; the
 conversation is never re-rendered. The result is the padded turn-segment batch of docs/design.md §2.
 
-A policy has the :class:`train.sampler.Sampler` interface: ``start(prompts)``,
-``generate(max_new_tokens=..., temperature=..., stop_ids=..., seed=..., active=...)`` returning
-``.tokens`` and ``.logprobs`` per row, and ``extend(rows)``. A codec turns messages and
-observations into ids (``prompt``, ``observation``, ``turn_text``, ``encode``, ``stop_ids``).
+The loop talks to two things through the protocols declared here: a :class:`Policy` (the
+KV-cache sampler of ``train.sampler``, or a scripted policy in tests) and a :class:`Codec` (the
+text <-> token mapping an environment names as ``env.codec``: ``envs.chat.ChatFormat`` for the
+Qwen3 chat environments, ``envs.synthetic.WordCodec`` for the synthetic ones).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -24,7 +24,57 @@ import numpy as np
 from envs.base import Env
 from mpo_jax.batch import TurnBatch
 
-__all__ = ["Rollouts", "collect", "round_seed", "EPISODE_FIGURES", "EPISODE_INFO"]
+__all__ = [
+    "Codec",
+    "Policy",
+    "Rollouts",
+    "collect",
+    "round_seed",
+    "EPISODE_FIGURES",
+    "EPISODE_INFO",
+]
+
+
+class Codec(Protocol):
+    """Text <-> token ids for one environment family."""
+
+    stop_ids: Sequence[int]
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The ids of the first messages (rendered once)."""
+
+    def observation(self, obs: Any) -> list[int]:
+        """The ids of what the environment says after a turn (appended as they are)."""
+
+    def turn_text(self, ids: Sequence[int]) -> str:
+        """The text of a sampled turn, as the environment reads it."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+class Policy(Protocol):
+    """Samples every live conversation's next turn from a KV cache it keeps."""
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> None: ...
+
+    def generate(
+        self,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        stop_ids: Sequence[int],
+        seed: Any,
+        active: Sequence[bool],
+    ) -> Any:
+        """``.tokens[i]`` and ``.logprobs[i]``: row i's sampled ids and their log-probs (empty for
+        inactive rows or rows out of room)."""
+
+    def extend(self, rows: Sequence[Sequence[int] | None]) -> None:
+        """Appends observation ids to the rows that have them."""
+
 
 # The numbers an episode's last ``info`` may add to its summary (search, bfcl, tau2 figures) ...
 EPISODE_FIGURES = (
@@ -105,8 +155,8 @@ def round_seed(seed, round_: int):
 
 def collect(
     envs: Sequence[Env],
-    codec: Any,
-    policy: Any,
+    codec: Codec,
+    policy: Policy,
     *,
     group_ids: Sequence[int],
     max_len: int,

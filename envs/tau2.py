@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from envs.base import Observation
+from envs.chat import format_tool_call
 from envs.packages import package_dir
 from envs.splits import check_split, split_indices
 from envs.tool_env import Response, ToolEnv
@@ -312,8 +313,6 @@ class Tau2Env(ToolEnv):
     # -- a scripted agent, for tests and benchmarks -----------------------------------------
     def oracle_turns(self) -> list[str]:
         """The gold actions (16 calls a turn at most), then a reply holding what must be said."""
-        from train.chat import format_tool_call
-
         calls = [format_tool_call(name, arguments) for name, arguments in self.task.actions]
         turns = ["\n".join(calls[i : i + 16]) for i in range(0, len(calls), 16)]
         return turns + ["Done. " + " ".join(self.task.communicate)]

@@ -70,6 +70,15 @@ class ToolEnv(Env):
     def task_id(self) -> str:
         return self._task_id()
 
+    @property
+    def codec(self):
+        """Qwen3's chat format with the real tokenizer (loaded on first use)."""
+        from envs.chat import (
+            qwen3_chat_format,  # the tokenizer loads only when a codec is asked for
+        )
+
+        return qwen3_chat_format()
+
     def _close(self) -> None:
         """Called once when the episode ends (terminated or truncated): release its state."""
 

@@ -2,7 +2,7 @@
 
 A :class:`Tool` is a name, a description, a JSON-schema ``parameters`` object and a Python
 callable. :class:`ToolBox` reads every ``<tool_call>`` of an assistant turn
-(:func:`train.chat.parse_tool_calls`), checks each call against its tool's schema and runs it under
+(:func:`envs.chat.parse_tool_calls`), checks each call against its tool's schema and runs it under
 a time limit. Every failure becomes a :class:`ToolResult` whose text the agent reads on its next
 turn:
 
@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from train.chat import ToolCall, ToolCallError, parse_tool_calls
+from envs.chat import ToolCall, ToolCallError, parse_tool_calls
 
 __all__ = ["Tool", "ToolResult", "ToolBox", "ToolTimeout", "check_arguments", "run_with_time_limit"]
 

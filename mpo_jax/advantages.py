@@ -249,7 +249,7 @@ def turn_log_ratio(
 # Group-relative (critic-free) estimators
 # ----------------------------------------------------------------------------------------------
 
-_BASELINES = ("mean", "loo")
+_BASELINES = ("mean", "leave_one_out", "loo")  # "loo" is an alias of "leave_one_out"
 _SCALES = ("std", "none")
 
 
@@ -297,16 +297,17 @@ def group_advantages(
     outcomes: ArrayLike,
     group_ids: ArrayLike,
     *,
-    baseline: Literal["mean", "loo"] = "mean",
+    baseline: Literal["mean", "leave_one_out", "loo"] = "mean",
     scale: Literal["std", "none"] = "std",
     eps: float = 1e-6,
 ) -> jax.Array:
     """Group-relative outcome advantages (GRPO, Dr.GRPO, RLOO).
 
     ``A_b = (R_b - base_b) / (std_g + ε)``, with ``base_b`` the mean of b's group (GRPO) or the
-    leave-one-out mean of the others (``baseline="loo"``, RLOO); ``scale="none"`` drops the division
-    (Dr.GRPO, RLOO). std is the unbiased (ddof = 1) group standard deviation. A group of one gets 0.
-    With either baseline the advantages of a group sum to zero.
+    leave-one-out mean of the others (``baseline="leave_one_out"``, alias ``"loo"``: RLOO);
+    ``scale="none"`` drops the division (Dr.GRPO, RLOO). std is the unbiased (ddof = 1) group
+    standard deviation. A group of one gets 0. With either baseline the advantages of a group sum
+    to zero.
 
     Args:
       outcomes: [B] trajectory returns R_b (e.g. :func:`mpo_jax.batch.trajectory_sums`).

@@ -13,6 +13,7 @@ aggregation of the policy loss, and whether a critic is needed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import jax
@@ -31,11 +32,15 @@ from mpo_jax.batch import (
 )
 from mpo_jax.losses import AGGREGATIONS, RATIO_LEVELS, kl_penalty
 
-__all__ = ["Algorithm", "Credit", "PRESETS", "get", "compute_advantages"]
-
-Estimator = Literal["token_gae", "turn_gae", "multiscale", "group", "gigpo", "trace", "mpo_trace"]
-ESTIMATORS = ("token_gae", "turn_gae", "multiscale", "group", "gigpo", "trace", "mpo_trace")
-CRITIC_ESTIMATORS = ("token_gae", "turn_gae", "multiscale", "mpo_trace")
+__all__ = [
+    "Algorithm",
+    "Credit",
+    "PRESETS",
+    "get",
+    "compute_advantages",
+    "register_estimator",
+    "ESTIMATOR_REGISTRY",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +49,8 @@ class Algorithm:
 
     GAE family (critic): ``gamma``/``lam`` for token and turn GAE; MAE adds ``gamma_token``,
     ``lam_token``, ``beta``; the critic's targets are token-GAE returns with ``critic_lam``.
-    Group family: ``baseline`` ("mean" or "loo") and ``scale`` ("std" or "none").
+    Group family: ``baseline`` ("mean" or "leave_one_out", alias "loo") and ``scale`` ("std" or
+    "none").
     TRACE: ``trace_eps``, ``trace_horizon``, ``trace_gamma``, ``trace_normalize``, ``alpha_out``,
     ``alpha_turn``, ``terminal_fill``. GiGPO: ``gigpo_gamma``, ``gigpo_omega``.
     KL to the reference: ``kl_coef`` with estimator ``kl_kind``, as a loss term or, with
@@ -52,7 +58,7 @@ class Algorithm:
     """
 
     name: str
-    estimator: Estimator
+    estimator: str  # a name in ESTIMATOR_REGISTRY
     ratio_level: Literal["token", "turn", "sequence"] = "token"
     ratio_reduce: Literal["sum", "mean"] | None = None
     aggregation: str = "token_mean"
@@ -68,7 +74,7 @@ class Algorithm:
     critic_lam: float = 0.95
     value_clip: float | None = 0.2
     # Group family.
-    baseline: Literal["mean", "loo"] = "mean"
+    baseline: Literal["mean", "leave_one_out", "loo"] = "mean"
     scale: Literal["std", "none"] = "std"
     group_eps: float = 1e-6
     # TRACE (paper defaults).
@@ -89,10 +95,10 @@ class Algorithm:
 
     def __post_init__(self):
         checks = [
-            ("estimator", self.estimator, ESTIMATORS),
+            ("estimator", self.estimator, tuple(sorted(ESTIMATOR_REGISTRY))),
             ("ratio_level", self.ratio_level, RATIO_LEVELS),
             ("aggregation", self.aggregation, AGGREGATIONS),
-            ("baseline", self.baseline, ("mean", "loo")),
+            ("baseline", self.baseline, ("mean", "leave_one_out", "loo")),
             ("scale", self.scale, ("std", "none")),
             ("terminal_fill", self.terminal_fill, ("zero", "last")),
             ("kl_kind", self.kl_kind, ("k1", "k2", "k3")),
@@ -109,16 +115,16 @@ class Algorithm:
 
     @property
     def needs_critic(self) -> bool:
-        return self.estimator in CRITIC_ESTIMATORS
+        return _spec(self).needs_critic
 
     @property
     def needs_groups(self) -> bool:
-        return self.estimator in ("group", "gigpo", "trace")
+        return _spec(self).needs_groups
 
     @property
     def needs_reference_answers(self) -> bool:
         """TRACE scoring: the reference model's log-prob of the gold answer at each boundary."""
-        return self.estimator in ("trace", "mpo_trace")
+        return _spec(self).needs_reference_answers
 
     def policy_loss_kwargs(self) -> dict:
         """Keyword arguments for :func:`mpo_jax.losses.policy_loss`."""
@@ -130,43 +136,6 @@ class Algorithm:
             dual_clip=self.dual_clip,
             aggregation=self.aggregation,
         )
-
-
-PRESETS: dict[str, Algorithm] = {
-    a.name: a
-    for a in (
-        Algorithm("ppo", "token_gae"),
-        Algorithm("turn_ppo", "turn_gae"),
-        Algorithm("mpo", "multiscale", ratio_level="turn"),
-        Algorithm("grpo", "group", aggregation="seq_mean_token_mean"),
-        Algorithm("dr_grpo", "group", scale="none", aggregation="seq_mean_token_sum"),
-        Algorithm("rloo", "group", baseline="loo", scale="none"),
-        # GSPO: sequence ratio, length-normalised, with its much tighter clip range.
-        Algorithm(
-            "gspo",
-            "group",
-            ratio_level="sequence",
-            ratio_reduce="mean",
-            clip_low=3e-4,
-            clip_high=4e-4,
-            aggregation="seq_mean_token_mean",
-        ),
-        Algorithm("gigpo", "gigpo"),
-        Algorithm("trace", "trace"),
-        Algorithm("mpo_trace", "mpo_trace", ratio_level="turn"),
-    )
-}
-
-
-def get(name: str, **overrides) -> Algorithm:
-    """The preset ``name`` with ``overrides`` applied; unknown names list the valid ones."""
-    if name not in PRESETS:
-        raise ValueError(f"preset: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(Algorithm)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"{name}: unknown setting(s) {unknown}; valid: {sorted(fields)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
 
 
 class Credit(NamedTuple):
@@ -200,10 +169,198 @@ def _trace_credit(algo: Algorithm, batch: TurnBatch) -> jax.Array:
     )
 
 
+# -- the estimators, registered by name -----------------------------------------------------------
+
+
+class CreditInputs(NamedTuple):
+    """What every estimator receives beside the preset and the batch: the action mask, the
+    rewards to credit (after a KL-in-reward) and their dtype, and whether returns are wanted."""
+
+    mask: jax.Array
+    rewards: jax.Array
+    dtype: jnp.dtype
+    need_returns: bool
+
+
+EstimatorFn = Callable[[Algorithm, TurnBatch, CreditInputs], Credit]
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatorSpec:
+    """A registered estimator: its function and what it needs from the batch."""
+
+    fn: EstimatorFn
+    needs_critic: bool
+    needs_groups: bool = False
+    needs_reference_answers: bool = False
+
+
+ESTIMATOR_REGISTRY: dict[str, EstimatorSpec] = {}
+
+
+def register_estimator(
+    name: str,
+    *,
+    needs_critic: bool,
+    needs_groups: bool = False,
+    needs_reference_answers: bool = False,
+):
+    """Registers ``fn(algo, batch, inputs) -> Credit`` as estimator ``name`` (a decorator).
+
+    Adding an estimator is this decorator on one function and a preset that names it; no
+    dispatch code changes.
+    """
+
+    def add(fn: EstimatorFn) -> EstimatorFn:
+        if name in ESTIMATOR_REGISTRY:
+            raise ValueError(f"estimator: {name!r} is already registered")
+        ESTIMATOR_REGISTRY[name] = EstimatorSpec(
+            fn, needs_critic, needs_groups, needs_reference_answers
+        )
+        return fn
+
+    return add
+
+
+def _bootstrap(batch: TurnBatch):
+    if batch.bootstrap_values is None:
+        return None
+    return jnp.where(jnp.asarray(batch.truncated, bool), batch.bootstrap_values, 0)
+
+
+def _critic_credit(algo: Algorithm, batch: TurnBatch, inputs: CreditInputs, advantages_fn):
+    """The critic family's common part: the critic's targets (PPO's token-GAE returns with
+    ``critic_lam``, whatever the actor's credit) and the actor's advantages."""
+    _require(algo, batch, "values")
+    boot = _bootstrap(batch)
+    returns = None
+    if inputs.need_returns:
+        _, returns = adv.token_gae(
+            inputs.rewards,
+            batch.values,
+            inputs.mask,
+            gamma=algo.gamma,
+            lam=algo.critic_lam,
+            bootstrap_value=boot,
+        )
+    return Credit(advantages_fn(inputs.rewards, boot), returns, inputs.rewards)
+
+
+@register_estimator("token_gae", needs_critic=True)
+def _token_gae(algo, batch, inputs):
+    def advantages(rewards, boot):
+        a, _ = adv.token_gae(
+            rewards, batch.values, inputs.mask, gamma=algo.gamma, lam=algo.lam, bootstrap_value=boot
+        )
+        return a
+
+    return _critic_credit(algo, batch, inputs, advantages)
+
+
+@register_estimator("turn_gae", needs_critic=True)
+def _turn_gae(algo, batch, inputs):
+    def advantages(rewards, boot):
+        a, _ = adv.turn_gae(
+            rewards,
+            batch.values,
+            inputs.mask,
+            batch.turn_ids,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            bootstrap_value=boot,
+        )
+        return a
+
+    return _critic_credit(algo, batch, inputs, advantages)
+
+
+def _multiscale(algo, batch, inputs):
+    def advantages(rewards, boot):
+        return adv.multiscale_advantages(
+            rewards,
+            batch.values,
+            inputs.mask,
+            batch.turn_ids,
+            gamma_turn=algo.gamma,
+            lam_turn=algo.lam,
+            gamma_token=algo.gamma_token,
+            lam_token=algo.lam_token,
+            beta=algo.beta,
+            bootstrap_value=boot,
+        )
+
+    return _critic_credit(algo, batch, inputs, advantages)
+
+
+register_estimator("multiscale", needs_critic=True)(_multiscale)
+
+
+@register_estimator("mpo_trace", needs_critic=True, needs_reference_answers=True)
+def _mpo_trace(algo, batch, inputs):
+    # TRACE's turn credit as dense rewards on each turn's last token, then MAE.
+    credit = _trace_credit(algo, batch)
+    turn_rewards = place_on_turn_ends(credit, inputs.mask, batch.turn_ids)
+    rewards = inputs.rewards + algo.alpha_turn * turn_rewards.astype(inputs.dtype)
+    return _multiscale(algo, batch, inputs._replace(rewards=rewards))
+
+
+def _outcome(algo, batch, inputs):
+    return adv.group_advantages(
+        trajectory_sums(inputs.rewards, inputs.mask),
+        batch.group_ids,
+        baseline=algo.baseline,
+        scale=algo.scale,
+        eps=algo.group_eps,
+    )
+
+
+@register_estimator("group", needs_critic=False, needs_groups=True)
+def _group(algo, batch, inputs):
+    outcome = _outcome(algo, batch, inputs)
+    return Credit(broadcast_trajectory_values(outcome, inputs.mask), None, inputs.rewards)
+
+
+@register_estimator("gigpo", needs_critic=False, needs_groups=True)
+def _gigpo(algo, batch, inputs):
+    _require(algo, batch, "step_keys")
+    keys = jnp.asarray(batch.step_keys)
+    k = keys.shape[-1]
+    step_rewards = turn_sums_per_turn(inputs.rewards, inputs.mask, batch.turn_ids, k)
+    step_mask = jnp.arange(k)[None, :] < num_turns(inputs.mask, batch.turn_ids)[:, None]
+    per_turn = adv.gigpo_advantages(
+        step_rewards,
+        keys,
+        step_mask,
+        batch.group_ids,
+        gamma=algo.gigpo_gamma,
+        omega=algo.gigpo_omega,
+        scale=algo.scale,
+        eps=algo.group_eps,
+    )
+    advantages = broadcast_turn_values(per_turn, inputs.mask, batch.turn_ids)
+    return Credit(advantages, None, inputs.rewards)
+
+
+@register_estimator("trace", needs_critic=False, needs_groups=True, needs_reference_answers=True)
+def _trace(algo, batch, inputs):
+    advantages = adv.trace_turn_advantages(
+        _outcome(algo, batch, inputs),
+        _trace_credit(algo, batch),
+        batch.boundary_mask,
+        inputs.mask,
+        batch.turn_ids,
+        alpha_out=algo.alpha_out,
+        alpha_turn=algo.alpha_turn,
+        terminal_fill=algo.terminal_fill,
+    )
+    return Credit(advantages, None, inputs.rewards)
+
+
 def compute_advantages(
     algo: Algorithm, batch: TurnBatch, *, need_returns: bool | None = None
 ) -> Credit:
-    """Advantages (and the critic's targets) of ``batch`` under preset ``algo``.
+    """Advantages (and the critic's targets) of ``batch`` under preset ``algo``: the registered
+    estimator ``algo.estimator`` (:data:`ESTIMATOR_REGISTRY`).
 
     Critic presets read ``batch.values`` (and ``bootstrap_values`` for truncated rows); group
     presets read ``group_ids``; GiGPO reads ``step_keys``; TRACE presets read ``boundary_mask``
@@ -213,9 +370,10 @@ def compute_advantages(
       need_returns: ask for critic targets; ``True`` on a critic-free preset is an error.
         Defaults to ``algo.needs_critic``.
     """
+    spec = _spec(algo)
     if need_returns is None:
-        need_returns = algo.needs_critic
-    if need_returns and not algo.needs_critic:
+        need_returns = spec.needs_critic
+    if need_returns and not spec.needs_critic:
         critics = sorted(n for n, p in PRESETS.items() if p.needs_critic)
         raise ValueError(
             f"{algo.name}: a critic-free preset has no critic targets (returns); "
@@ -228,78 +386,52 @@ def compute_advantages(
         _require(algo, batch, "old_logp", "ref_logp")
         kl = kl_penalty(batch.old_logp, batch.ref_logp, mask, kind=algo.kl_kind)
         rewards = rewards - algo.kl_coef * kl.astype(dtype)
+    return spec.fn(algo, batch, CreditInputs(mask, rewards, dtype, bool(need_returns)))
 
-    if algo.needs_critic:
-        _require(algo, batch, "values")
-        boot = None
-        if batch.bootstrap_values is not None:
-            boot = jnp.where(jnp.asarray(batch.truncated, bool), batch.bootstrap_values, 0)
-        if algo.estimator == "mpo_trace":
-            credit = _trace_credit(algo, batch)
-            turn_rewards = place_on_turn_ends(credit, mask, batch.turn_ids)
-            rewards = rewards + algo.alpha_turn * turn_rewards.astype(dtype)
-        gae = dict(bootstrap_value=boot)
-        returns = None
-        if need_returns:  # the critic's targets are PPO's, whatever the actor's credit
-            _, returns = adv.token_gae(
-                rewards, batch.values, mask, gamma=algo.gamma, lam=algo.critic_lam, **gae
-            )
-        if algo.estimator == "token_gae":
-            advantages, _ = adv.token_gae(
-                rewards, batch.values, mask, gamma=algo.gamma, lam=algo.lam, **gae
-            )
-        elif algo.estimator == "turn_gae":
-            advantages, _ = adv.turn_gae(
-                rewards, batch.values, mask, batch.turn_ids, gamma=algo.gamma, lam=algo.lam, **gae
-            )
-        else:  # multiscale and mpo_trace
-            advantages = adv.multiscale_advantages(
-                rewards,
-                batch.values,
-                mask,
-                batch.turn_ids,
-                gamma_turn=algo.gamma,
-                lam_turn=algo.lam,
-                gamma_token=algo.gamma_token,
-                lam_token=algo.lam_token,
-                beta=algo.beta,
-                **gae,
-            )
-        return Credit(advantages, returns, rewards)
 
-    group = dict(scale=algo.scale, eps=algo.group_eps)
-    if algo.estimator == "gigpo":
-        _require(algo, batch, "step_keys")
-        keys = jnp.asarray(batch.step_keys)
-        k = keys.shape[-1]
-        step_rewards = turn_sums_per_turn(rewards, mask, batch.turn_ids, k)
-        step_mask = jnp.arange(k)[None, :] < num_turns(mask, batch.turn_ids)[:, None]
-        per_turn = adv.gigpo_advantages(
-            step_rewards,
-            keys,
-            step_mask,
-            batch.group_ids,
-            gamma=algo.gigpo_gamma,
-            omega=algo.gigpo_omega,
-            **group,
+def _spec(algo: Algorithm) -> EstimatorSpec:
+    if algo.estimator not in ESTIMATOR_REGISTRY:
+        raise ValueError(
+            f"{algo.name}: estimator {algo.estimator!r} is not registered; "
+            f"registered: {sorted(ESTIMATOR_REGISTRY)}"
         )
-        return Credit(broadcast_turn_values(per_turn, mask, batch.turn_ids), None, rewards)
+    return ESTIMATOR_REGISTRY[algo.estimator]
 
-    outcome = adv.group_advantages(
-        trajectory_sums(rewards, mask), batch.group_ids, baseline=algo.baseline, **group
-    )
-    if algo.estimator == "group":
-        return Credit(broadcast_trajectory_values(outcome, mask), None, rewards)
 
-    credit = _trace_credit(algo, batch)  # trace
-    advantages = adv.trace_turn_advantages(
-        outcome,
-        credit,
-        batch.boundary_mask,
-        mask,
-        batch.turn_ids,
-        alpha_out=algo.alpha_out,
-        alpha_turn=algo.alpha_turn,
-        terminal_fill=algo.terminal_fill,
+# -- the presets (after the estimators they name) ----------------------------------------------
+
+PRESETS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("ppo", "token_gae"),
+        Algorithm("turn_ppo", "turn_gae"),
+        Algorithm("mpo", "multiscale", ratio_level="turn"),
+        Algorithm("grpo", "group", aggregation="seq_mean_token_mean"),
+        Algorithm("dr_grpo", "group", scale="none", aggregation="seq_mean_token_sum"),
+        Algorithm("rloo", "group", baseline="leave_one_out", scale="none"),
+        # GSPO: sequence ratio, length-normalised, with its much tighter clip range.
+        Algorithm(
+            "gspo",
+            "group",
+            ratio_level="sequence",
+            ratio_reduce="mean",
+            clip_low=3e-4,
+            clip_high=4e-4,
+            aggregation="seq_mean_token_mean",
+        ),
+        Algorithm("gigpo", "gigpo"),
+        Algorithm("trace", "trace"),
+        Algorithm("mpo_trace", "mpo_trace", ratio_level="turn"),
     )
-    return Credit(advantages, None, rewards)
+}
+
+
+def get(name: str, **overrides) -> Algorithm:
+    """The preset ``name`` with ``overrides`` applied; unknown names list the valid ones."""
+    if name not in PRESETS:
+        raise ValueError(f"preset: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(Algorithm)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"{name}: unknown setting(s) {unknown}; valid: {sorted(fields)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

@@ -129,3 +129,39 @@ def test_impossible_combinations_raise():
         algorithms.compute_advantages(algorithms.get("gigpo"), b.replace(step_keys=None))
     with pytest.raises(ValueError, match=r"trace: batch.boundary_mask is required"):
         algorithms.compute_advantages(algorithms.get("trace"), b.replace(boundary_mask=None))
+
+
+def test_an_estimator_is_one_registered_function_and_unknown_names_are_refused():
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    batch = random_batch(np.random.default_rng(3), batch=4, length=16, dtype=np.float32)
+    name = "test_constant_credit"
+
+    @algorithms.register_estimator(name, needs_critic=False, needs_groups=False)
+    def constant(algo, batch, inputs):
+        return algorithms.Credit(jnp.where(inputs.mask, 2.0, 0.0), None, inputs.rewards)
+
+    try:
+        algo = dataclasses.replace(algorithms.get("grpo"), name="const", estimator=name)
+        out = algorithms.compute_advantages(algo, batch)
+        np.testing.assert_array_equal(np.asarray(out.advantages), np.where(batch.loss_mask, 2, 0))
+        assert not algo.needs_critic
+        with pytest.raises(ValueError, match="already registered"):
+            algorithms.register_estimator(name, needs_critic=False)(constant)
+    finally:
+        del algorithms.ESTIMATOR_REGISTRY[name]
+    with pytest.raises(ValueError, match=r"estimator='nope' is not one of \("):
+        dataclasses.replace(algorithms.get("grpo"), estimator="nope")
+
+
+def test_leave_one_out_is_the_explanatory_name_of_loo():
+    from mpo_jax import advantages
+
+    outcomes, groups = np.array([1.0, 0.0, 0.0, 3.0, 1.0]), np.array([0, 0, 0, 1, 1])
+    a = advantages.group_advantages(outcomes, groups, baseline="leave_one_out", scale="none")
+    b = advantages.group_advantages(outcomes, groups, baseline="loo", scale="none")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a), [1.0, -0.5, -0.5, 2.0, -2.0])
+    assert algorithms.get("rloo").baseline == "leave_one_out"

@@ -7,7 +7,7 @@ import pytest
 
 import envs
 from envs.bfcl import EXCLUDED, BFCLEnv, load_tasks
-from train.chat import format_tool_call
+from envs.chat import format_tool_call
 
 
 def _play(env, act, limit=200):

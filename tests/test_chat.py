@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from train.chat import (
+from envs.chat import (
     ChatFormat,
     ToolCall,
     ToolCallError,
@@ -33,7 +33,7 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def chat():
-    return ChatFormat(load_tokenizer())
+    return ChatFormat(load_tokenizer())  # its own prompt cache
 
 
 def test_tokenizer_loads_with_the_network_off(monkeypatch):
@@ -42,7 +42,7 @@ def test_tokenizer_loads_with_the_network_off(monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    tok = load_tokenizer()
+    tok = load_tokenizer.__wrapped__()  # a fresh load, not the process's cached tokenizer
     assert tok.convert_tokens_to_ids("<|im_end|>") == 151645
     assert len(tok) >= 151643
     assert tok.decode(tok.encode("Hello, world!")) == "Hello, world!"

@@ -128,7 +128,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("name", ["search", "bfcl", "tau2-retail"])
 def test_real_environments_through_the_rollout_loop_with_the_qwen3_format(name):
-    from train.chat import ChatFormat, load_tokenizer
+    from envs.chat import ChatFormat, load_tokenizer
 
     chat = ChatFormat(load_tokenizer())
     batch_envs = [envs.make(name, seed=s) for s in (0, 0, 1)]

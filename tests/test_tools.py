@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from envs.chat import format_tool_call
 from envs.tools import Tool, ToolBox, ToolTimeout, check_arguments, run_with_time_limit
-from train.chat import format_tool_call
 
 SCHEMA = {
     "type": "object",

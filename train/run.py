@@ -92,7 +92,7 @@ class Trainer:
         probe = envs.make(cfg.env, seed=0, **self.env_options)
         envs.make(cfg.env, seed=0, **self.eval_options)  # evaluation options fail now, not later
         self.eval_fresh = bool(probe.eval_fresh) and cfg.eval_split != "train"
-        self.codec = probe.codec or self._chat_codec()
+        self.codec = probe.codec
         self.max_new = cfg.max_new_tokens or getattr(probe, "turn_length", 256)
         self.cfg = cfg = dataclasses.replace(cfg, max_len=self._max_len(cfg, probe))
         self.mesh = self.micro_sharding = None
@@ -151,11 +151,6 @@ class Trainer:
         )
 
     # -- construction ----------------------------------------------------------------------------
-
-    def _chat_codec(self):
-        from train.chat import ChatFormat, load_tokenizer
-
-        return ChatFormat(load_tokenizer())
 
     def _max_len(self, cfg: TrainConfig, probe) -> int:
         """The configured length budget, or the environment's longest episode; says so at start-up

@@ -15,6 +15,7 @@ import re
 import numpy as np
 
 from envs.base import Observation
+from envs.chat import format_tool_call
 from envs.search.index import SearchIndex, default_index
 from envs.search.questions import Question, exact_match, f1_score, questions
 from envs.tool_env import Response, ToolEnv
@@ -141,7 +142,5 @@ class SearchEnv(ToolEnv):
     # -- a scripted agent, for tests and benchmarks -----------------------------------------
     def oracle_turns(self) -> list[str]:
         """The turns of an agent that knows the chain: open each evidence document, then answer."""
-        from train.chat import format_tool_call
-
         turns = [format_tool_call("get_document", {"docid": d}) for d in self.question.evidence]
         return turns + [f"<answer>{self.question.answer}</answer>"]

@@ -18,6 +18,7 @@ environment to show the agent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -31,6 +32,7 @@ __all__ = [
     "TOKENIZER_PACKAGE",
     "tokenizer_dir",
     "load_tokenizer",
+    "qwen3_chat_format",
     "ChatFormat",
     "ToolCall",
     "ToolCallError",
@@ -52,12 +54,21 @@ def tokenizer_dir() -> Path:
     return folder
 
 
+@functools.cache
 def load_tokenizer():
-    """The Qwen3 tokenizer (``PreTrainedTokenizerFast``) with its chat template, offline."""
+    """The Qwen3 tokenizer (``PreTrainedTokenizerFast``) with its chat template, offline (loaded
+    once per process; it is read-only)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir()), local_files_only=True)
+
+
+@functools.cache
+def qwen3_chat_format() -> ChatFormat:
+    """The codec of the Qwen3 chat environments: one :class:`ChatFormat` per process (its prompt
+    cache is shared by every environment that speaks the format)."""
+    return ChatFormat(load_tokenizer())
 
 
 @dataclasses.dataclass(frozen=True)
