@@ -94,8 +94,9 @@ EPISODE_INFO = (*EPISODE_FIGURES, "failure", "env_exception")
 class Rollouts:
     """A padded batch plus what the trainer needs beside it.
 
-    ``batch`` carries tokens, loss_mask, turn_ids, rewards, group_ids, truncated, ``old_logp``
-    (the sampler's log-probs on action tokens), ``step_keys`` and ``boundary_mask``.
+    ``batch`` carries tokens, loss_mask, turn_ids, rewards, group_ids, truncated,
+    ``sampler_logp`` (the sampler's log-probs on action tokens), ``step_keys`` and
+    ``boundary_mask``; scoring adds the rest.
     ``boundary_lengths[b, k]`` is the prefix length at tool-call boundary k (0: the prompt; k: after
     turn k-1 and its observation); ``answer_ids`` are the gold answers' ids (TRACE).
     ``turn_quality[b, k]`` is the environment's ``action_quality`` of turn k (NaN where it gives
@@ -278,7 +279,7 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
         rewards=rewards,
         group_ids=np.asarray(group_ids, np.int32),
         truncated=np.array([ep.length_cut or ep.broken for ep in episodes]),
-        old_logp=logp,
+        sampler_logp=logp,
         boundary_mask=boundary_mask,
         step_keys=step_keys,
     )

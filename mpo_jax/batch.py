@@ -11,6 +11,7 @@ The segment helpers work in a time-major [T, B] layout internally: the estimator
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +23,9 @@ from mpo_jax.scan import ScanMethod, reverse_scans_time_major
 
 __all__ = [
     "TurnBatch",
+    "FIELD_FILL",
+    "pad_width",
+    "pad_trailing",
     "validate",
     "turn_start_mask",
     "turn_end_mask",
@@ -38,7 +42,8 @@ __all__ = [
 
 @struct.dataclass
 class TurnBatch:
-    """B trajectories padded to T tokens (docs/design.md §2). Optional fields may be ``None``.
+    """B trajectories padded to T tokens (docs/design.md §2): the one carrier from the rollout to
+    the losses. Optional fields may be ``None``.
 
     Attributes:
       tokens: [B, T] int token ids.
@@ -51,12 +56,19 @@ class TurnBatch:
         critic presets bootstrap it (the rollout's length budget; not a turn budget that is a
         rule of the task, whose outcome is final).
       values: [B, T] float critic values of the state before each token.
-      logp, old_logp, ref_logp: [B, T] float log-probs under current, rollout, reference policy.
-      bootstrap_values: [B] float, the critic's value after the last token (used when truncated).
+      logp: [B, T] float log-probs under the policy being optimised (where a caller has them).
+      old_logp: [B, T] float log-probs of the rollout (behaviour) policy as the learner computes
+        them: the denominator of every importance ratio.
+      ref_logp: [B, T] float log-probs under the frozen reference policy.
+      sampler_logp: [B, T] float log-probs the sampler reported while generating (equal to
+        ``old_logp`` up to numerics; the trainer logs the largest gap).
+      bootstrap_values: [B] float, the critic's value after the last action token (used when
+        truncated).
       boundary_mask: [B, M] bool, a prefix mask over tool-call boundaries (TRACE; 0 is the prompt).
       answer_logprobs: [B, M] float, the reference model's mean per-token log-prob of the gold
         answer at each boundary (TRACE).
       step_keys: [B, K] int, a per-turn environment state key (GiGPO), -1 where no turn.
+      advantages, returns: [B, T] float, the credit and the critic's targets once computed.
     """
 
     tokens: Any
@@ -69,17 +81,88 @@ class TurnBatch:
     logp: Any = None
     old_logp: Any = None
     ref_logp: Any = None
+    sampler_logp: Any = None
     bootstrap_values: Any = None
     boundary_mask: Any = None
     answer_logprobs: Any = None
     step_keys: Any = None
+    advantages: Any = None
+    returns: Any = None
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def present(self) -> dict[str, Any]:
+        """The fields that are not None."""
+        return {n: getattr(self, n) for n in self.field_names() if getattr(self, n) is not None}
+
+    def only(self, *names: str) -> TurnBatch:
+        """The same batch with every field outside ``names`` set to None (a view for one
+        consumer, e.g. the loss: a jitted function then sees a fixed structure)."""
+        unknown = sorted(set(names) - set(self.field_names()))
+        if unknown:
+            raise ValueError(f"TurnBatch: unknown field(s) {unknown}")
+        return self.replace(**{n: None for n in self.field_names() if n not in names})
+
+    def take_rows(self, rows) -> TurnBatch:
+        """The batch of the given rows (an index array or slice), every field alike."""
+        return self.replace(**{n: v[rows] for n, v in self.present().items()})
+
+    @classmethod
+    def concatenate(cls, batches: list[TurnBatch]) -> TurnBatch:
+        """The rows of several batches (on the host, NumPy), in order. Ragged trailing widths
+        ([B, M] boundaries, [B, K] step keys) are padded with each field's fill value
+        (:data:`FIELD_FILL`); the fields present must be the same in every batch."""
+        if not batches:
+            raise ValueError("TurnBatch.concatenate: no batches")
+        names = list(batches[0].present())
+        for b in batches[1:]:
+            if list(b.present()) != names:
+                raise ValueError(
+                    f"TurnBatch.concatenate: fields {list(b.present())} differ from {names}"
+                )
+        out = {}
+        for n in names:
+            parts = [np.asarray(getattr(b, n)) for b in batches]
+            out[n] = np.concatenate(pad_trailing(parts, FIELD_FILL.get(n, 0)), axis=0)
+        return cls(**out)
+
+
+# The value a field is padded with where rows differ in width: "no turn", "no key", "no boundary".
+FIELD_FILL: dict[str, Any] = {"turn_ids": -1, "step_keys": -1, "boundary_mask": False}
+
+
+def pad_width(x: np.ndarray, width: int, fill) -> np.ndarray:
+    """``x`` with its second axis padded with ``fill`` up to ``width`` (never cut)."""
+    extra = width - x.shape[1]
+    if extra <= 0:
+        return x
+    return np.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+
+
+def pad_trailing(arrays: list[np.ndarray], fill) -> list[np.ndarray]:
+    """Pads each array's second axis to the widest (1-d arrays are returned as they are)."""
+    if not arrays or arrays[0].ndim < 2:
+        return arrays
+    width = max(a.shape[1] for a in arrays)
+    return [pad_width(a, width, fill) for a in arrays]
 
 
 # ----------------------------------------------------------------------------------------------
 # Validation (host side, NumPy): every rule has its own message naming field, row and rule.
 # ----------------------------------------------------------------------------------------------
 
-_TOKEN_FLOAT_FIELDS = ("rewards", "values", "logp", "old_logp", "ref_logp")
+_TOKEN_FLOAT_FIELDS = (
+    "rewards",
+    "values",
+    "logp",
+    "old_logp",
+    "ref_logp",
+    "sampler_logp",
+    "advantages",
+    "returns",
+)
 
 
 def _first_bad_row(bad: np.ndarray) -> tuple[int, int]:

@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from envs.rollout import EPISODE_FIGURES
+from mpo_jax.batch import FIELD_FILL, pad_width
 
 __all__ = [
     "initialize_from_env",
@@ -115,18 +116,10 @@ def gather_array(local: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
 
 
-def _pad_to(x: np.ndarray, width: int, axis: int, fill) -> np.ndarray:
-    extra = width - x.shape[axis]
-    if extra <= 0:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, extra)
-    return np.pad(x, pad, constant_values=fill)
-
-
-def _gather_width(x: np.ndarray, axis: int, fill) -> np.ndarray:
-    width = int(gather_array(np.array([x.shape[axis]])).max())
-    return gather_array(_pad_to(x, width, axis, fill))
+def _gather_width(x: np.ndarray, fill) -> np.ndarray:
+    """Every host's rows, the second axis padded to the widest host's."""
+    width = int(gather_array(np.array([x.shape[1]])).max())
+    return gather_array(pad_width(x, width, fill))
 
 
 _EPISODE_FIELDS = ("success", "reward", "turns", "tokens", "truncated", "length_cut", "errors")
@@ -141,21 +134,18 @@ def gather_rollouts(rollouts):
     if not is_multiprocess():
         return rollouts
     b = rollouts.batch
-    fields = {}
-    for name in (
-        "tokens",
-        "loss_mask",
-        "turn_ids",
-        "rewards",
-        "group_ids",
-        "truncated",
-        "old_logp",
-    ):
-        fields[name] = gather_array(getattr(b, name))
-    keys = np.where(b.step_keys >= 0, b.step_keys + jax.process_index() * 10_000_000, -1)
-    fields["step_keys"] = _gather_width(keys.astype(np.int32), 1, -1)
-    fields["boundary_mask"] = _gather_width(b.boundary_mask, 1, False)
-    boundary_lengths = _gather_width(rollouts.boundary_lengths, 1, 0)
+    if b.step_keys is not None:  # step-key ids are per host: make them distinct
+        offset = jax.process_index() * 10_000_000
+        b = b.replace(
+            step_keys=np.where(b.step_keys >= 0, b.step_keys + offset, -1).astype(np.int32)
+        )
+    fields = {
+        name: _gather_width(np.asarray(x), FIELD_FILL.get(name, 0))
+        if np.ndim(x) >= 2
+        else gather_array(np.asarray(x))
+        for name, x in b.present().items()
+    }
+    boundary_lengths = _gather_width(rollouts.boundary_lengths, 0)
     lengths = np.array([len(a) for a in rollouts.answer_ids], np.int32)
     width = max(1, int(gather_array(np.array([lengths.max(initial=0)])).max()))
     answers = np.zeros((len(lengths), width), np.int32)
@@ -179,9 +169,9 @@ def gather_rollouts(rollouts):
         }
         for row in table
     ]
-    quality = _gather_width(np.asarray(rollouts.turn_quality, np.float32), 1, np.nan)
+    quality = _gather_width(np.asarray(rollouts.turn_quality, np.float32), np.nan)
     seconds = float(gather_array(np.array([rollouts.seconds])).max())
-    batch = dataclasses.replace(b, **fields)
+    batch = b.replace(**fields)
     return dataclasses.replace(
         rollouts,
         batch=batch,

@@ -23,6 +23,7 @@ from flax import nnx
 from kernels.logprobs import logprobs_and_entropy
 from mpo_jax import losses
 from mpo_jax.algorithms import Algorithm
+from mpo_jax.batch import TurnBatch
 
 __all__ = [
     "Models",
@@ -32,6 +33,8 @@ __all__ = [
     "values_and_bootstrap",
     "answer_logprobs",
     "UpdateFns",
+    "loss_fields",
+    "split_micro",
 ]
 
 
@@ -151,38 +154,38 @@ class UpdateFns:
         self.critic_grad = jax.jit(jax.value_and_grad(self._critic_loss, has_aux=True))
         self.apply = jax.jit(self._apply, static_argnums=(0,))
 
-    def _actor_loss(self, params, mb, normalizer, token_count):
+    def _actor_loss(self, params, mb: TurnBatch, normalizer, token_count):
         logp, ent = token_logprobs(
-            self.models.actor, params, mb["tokens"], temperature=self.temperature
+            self.models.actor, params, mb.tokens, temperature=self.temperature
         )
         loss, metrics = losses.policy_loss(
             logp,
-            mb["old_logp"],
-            mb["advantages"],
-            mb["loss_mask"],
-            mb["turn_ids"],
+            mb.old_logp,
+            mb.advantages,
+            mb.loss_mask,
+            mb.turn_ids,
             normalizer=normalizer,
             **self.algo.policy_loss_kwargs(),
         )
-        mask = mb["loss_mask"]
+        mask = mb.loss_mask
         metrics["entropy_sum"] = jnp.sum(jnp.where(mask, ent, 0))
         if self.entropy_coef:
             loss = loss - self.entropy_coef * metrics["entropy_sum"] / token_count
         if self.algo.kl_coef and not self.algo.kl_in_reward:
-            kl = losses.kl_penalty(logp, mb["ref_logp"], mask, kind=self.algo.kl_kind)
+            kl = losses.kl_penalty(logp, mb.ref_logp, mask, kind=self.algo.kl_kind)
             kl_sum = jnp.sum(kl)
             loss = loss + self.algo.kl_coef * kl_sum / token_count
             metrics["kl_sum"] = kl_sum
         return loss, metrics
 
-    def _critic_loss(self, params, mb, normalizer):
-        values = token_values(self.models.critic, params, mb["tokens"])
+    def _critic_loss(self, params, mb: TurnBatch, normalizer):
+        values = token_values(self.models.critic, params, mb.tokens)
         loss, metrics = losses.value_loss(
             values,
-            mb["values"],
-            mb["returns"],
-            mb["loss_mask"],
-            mb["turn_ids"],
+            mb.values,
+            mb.returns,
+            mb.loss_mask,
+            mb.turn_ids,
             clip=self.algo.value_clip,
             normalizer=normalizer,
         )
@@ -200,7 +203,18 @@ class UpdateFns:
         return keep(new_params, params), keep(new_state, opt_state), ok, optax.tree.norm(safe)
 
 
-def split_micro(batch: dict[str, np.ndarray], rows: np.ndarray, parts: int):
-    """Splits the rows of a minibatch into ``parts`` micro-batches of arrays."""
-    for chunk in np.array_split(rows, parts):
-        yield {k: v[chunk] for k, v in batch.items()}
+def loss_fields(algo: Algorithm) -> tuple[str, ...]:
+    """The batch fields the actor and critic losses of ``algo`` read (a fixed structure for
+    jit: the ragged TRACE and GiGPO fields stay out)."""
+    names = ["tokens", "loss_mask", "turn_ids", "old_logp", "advantages"]
+    if algo.kl_coef:
+        names.append("ref_logp")
+    if algo.needs_critic:
+        names += ["values", "returns"]
+    return tuple(names)
+
+
+def split_micro(batch: TurnBatch, parts: int):
+    """Splits the rows of a minibatch into ``parts`` micro-batches."""
+    for chunk in np.array_split(np.arange(len(batch.tokens)), parts):
+        yield batch.take_rows(chunk)

@@ -50,6 +50,7 @@ from train.learner import (
     Models,
     UpdateFns,
     answer_logprobs,
+    loss_fields,
     make_optimizer,
     split_micro,
     token_logprobs,
@@ -276,12 +277,9 @@ class Trainer:
         old_logp, _ = self._logp(
             self.models.actor, self.state["actor"], tokens, temperature=self.cfg.temperature
         )
-        fields = {"old_logp": to_host(old_logp), "logp": to_host(old_logp)}
-        scored = {
-            "sampler_logp_gap": float(
-                np.abs(np.where(b.loss_mask, b.old_logp - fields["old_logp"], 0)).max(initial=0)
-            )
-        }
+        fields = {"old_logp": to_host(old_logp)}
+        gap = np.where(b.loss_mask, b.sampler_logp - fields["old_logp"], 0)
+        scored = {"sampler_logp_gap": float(np.abs(gap).max(initial=0))}
         if self.algo.needs_critic:
             # the bootstrap state: the conversation up to and including its last action token
             last = np.where(
@@ -360,47 +358,35 @@ class Trainer:
     def update(self, batch: TurnBatch, credit) -> dict[str, float]:
         """Epochs x minibatches of actor (and critic) updates; metrics weighted by tokens (turns
         for the turn clip fraction), ``ratio_max`` the largest ratio of any update."""
-        cfg, algo = self.cfg, self.algo
-        data = {
-            "tokens": batch.tokens,
-            "loss_mask": batch.loss_mask,
-            "turn_ids": batch.turn_ids,
-            "old_logp": batch.old_logp,
-            "advantages": np.asarray(credit.advantages),
-        }
-        if algo.kl_coef:
-            data["ref_logp"] = batch.ref_logp
-        if algo.needs_critic:
-            data["values"] = batch.values
-            data["returns"] = np.asarray(credit.returns)
+        cfg = self.cfg
+        returns = None if credit.returns is None else np.asarray(credit.returns)
+        batch = batch.replace(advantages=np.asarray(credit.advantages), returns=returns)
+        batch = batch.only(*loss_fields(self.algo))
         rng = np.random.default_rng(cfg.seed * 31 + self.state["step"])
         totals: dict[str, float] = {}
         for _ in range(cfg.epochs):
             for rows in np.array_split(rng.permutation(self.batch_size), cfg.minibatches):
-                mb = {k: v[rows] for k, v in data.items()}
-                for k, v in self._minibatch(mb).items():
+                for k, v in self._minibatch(batch.take_rows(rows)).items():
                     merge = max if k == "ratio_max" else (lambda a, b: a + b)
                     totals[k] = merge(totals[k], v) if k in totals else v
         return _summarise_updates(totals)
 
-    def _minibatch(self, mb) -> dict[str, float]:
+    def _minibatch(self, mb: TurnBatch) -> dict[str, float]:
         """One optimizer update of the actor (and critic) on a minibatch; returns sums."""
         algo, parts = self.algo, self.cfg.micro_batches
-        _, normalizer = losses.aggregate(
-            np.zeros(mb["loss_mask"].shape), mb["loss_mask"], mb["turn_ids"], mode=algo.aggregation
-        )
-        tokens = max(float(mb["loss_mask"].sum()), 1.0)
-        rows = np.arange(len(mb["tokens"]))
+        zeros = np.zeros(mb.loss_mask.shape)
+        _, normalizer = losses.aggregate(zeros, mb.loss_mask, mb.turn_ids, mode=algo.aggregation)
+        tokens = max(float(mb.loss_mask.sum()), 1.0)
         jobs = [("actor", self.fns.actor_grad, (normalizer, tokens))]
         if algo.needs_critic:
-            _, v_norm = losses.aggregate(np.zeros(mb["loss_mask"].shape), mb["loss_mask"])
+            _, v_norm = losses.aggregate(zeros, mb.loss_mask)
             jobs.append(("critic", self.fns.critic_grad, (v_norm,)))
         out = {"updates": 1.0, "skipped_updates": 0.0}
         for which, grad_fn, extra in jobs:
             grads, loss = None, 0.0
-            for micro in split_micro(mb, rows, parts):
-                n_tok = float(micro["loss_mask"].sum())
-                n_turns = float((micro["turn_ids"].max(axis=1, initial=-1) + 1).sum())
+            for micro in split_micro(mb, parts):
+                n_tok = float(micro.loss_mask.sum())
+                n_turns = float((micro.turn_ids.max(axis=1, initial=-1) + 1).sum())
                 if self.micro_sharding is not None:
                     micro = put_global(micro, self.micro_sharding)
                 (micro_loss, m), g = grad_fn(self.state[which], micro, *extra)

@@ -12,6 +12,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from mpo_jax import algorithms  # noqa: E402
+from mpo_jax.batch import TurnBatch  # noqa: E402
 from train.learner import Models, UpdateFns, make_optimizer  # noqa: E402
 from train.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel  # noqa: E402
 from train.sharding import batch_sharding, make_mesh, shard_params  # noqa: E402
@@ -42,15 +43,18 @@ mask = np.zeros((b, t), bool)
 mask[:, 4:8] = True
 mask[:, 10:14] = True
 tid = np.where(mask, (np.arange(t) >= 10).astype(np.int32)[None].repeat(b, 0), -1).astype(np.int32)
-batch = {
-    "tokens": rng.integers(0, 64, size=(b, t)).astype(np.int32),
-    "loss_mask": mask,
-    "turn_ids": tid,
-    "old_logp": np.where(mask, -rng.uniform(3, 5, size=(b, t)), 0).astype(np.float32),
-    "advantages": np.where(mask, rng.normal(size=(b, t)), 0).astype(np.float32),
-    "values": np.where(mask, rng.normal(size=(b, t)), 0).astype(np.float32),
-    "returns": np.where(mask, rng.normal(size=(b, t)), 0).astype(np.float32),
-}
+batch = TurnBatch(
+    tokens=rng.integers(0, 64, size=(b, t)).astype(np.int32),
+    loss_mask=mask,
+    turn_ids=tid,
+    rewards=None,
+    group_ids=None,
+    truncated=None,
+    old_logp=np.where(mask, -rng.uniform(3, 5, size=(b, t)), 0).astype(np.float32),
+    advantages=np.where(mask, rng.normal(size=(b, t)), 0).astype(np.float32),
+    values=np.where(mask, rng.normal(size=(b, t)), 0).astype(np.float32),
+    returns=np.where(mask, rng.normal(size=(b, t)), 0).astype(np.float32),
+)
 count = float(mask.sum())
 
 
@@ -63,9 +67,9 @@ def step(aparams, cparams, batch):
     return a_new, c_new, la, lc
 
 
-single = step(aparams, cparams, {k: jnp.asarray(v) for k, v in batch.items()})
+single = step(aparams, cparams, jax.tree.map(jnp.asarray, batch))
 mesh = make_mesh(data=2, fsdp=2, tensor=2)
-sharded_batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}
+sharded_batch = jax.tree.map(lambda v: jax.device_put(v, batch_sharding(mesh)), batch)
 sa, sc = shard_params(aparams, mesh), shard_params(cparams, mesh)
 kernel = sa["model"]["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value()
 assert len(kernel.sharding.device_set) == 8, kernel.sharding  # really spread over the mesh
