@@ -9,7 +9,7 @@ Every function accepts NumPy or JAX arrays in float32 or float64 (float64 needs 
 computes in the wider of its inputs' float dtypes, and runs under ``jax.jit`` with its
 hyperparameters passed as Python floats. Outputs are 0 off ``loss_mask``. Internally the arrays
 are transposed once to time-major [T, B] and every recursion is
-:func:`mpo_jax.scan.reverse_scans_time_major`.
+:func:`mpo_jax.scan.linear_scans_time_major`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mpo_jax.batch import (
     turn_structure_time_major,
     turn_sums_time_major,
 )
-from mpo_jax.scan import ScanMethod, reverse_linear_scan, reverse_scans_time_major
+from mpo_jax.scan import ScanMethod, linear_scans_time_major, reverse_linear_scan
 
 __all__ = [
     "token_gae",
@@ -73,8 +73,8 @@ def _turn_delta(r, v, turns: TurnStructure, v_next, gamma, lam, method):
     """
     start = turns.start.astype(v.dtype)
     zero = jnp.zeros(v.shape[1:], v.dtype)
-    v_start, r_sum = reverse_scans_time_major(
-        [(start * v, 1 - start, zero), (r, 1 - start, zero)], method=method, forward=True
+    v_start, r_sum = linear_scans_time_major(
+        [(start * v, 1 - start, zero), (r, 1 - start, zero)], method=method, reverse=False
     )
     delta = jnp.where(turns.end, r_sum + gamma * v_next - v_start, 0)
     coeff = jnp.where(turns.end, gamma * lam, 1).astype(v.dtype)
@@ -127,7 +127,7 @@ def token_gae(
     (v_next,) = neighbour_action_values_time_major([v], mask, [boot], reverse=True, method=method)
     delta = jnp.where(mask, r + gamma * v_next - v, 0)
     coeff = jnp.where(mask, gamma * lam, 1).astype(v.dtype)
-    (adv,) = reverse_scans_time_major([(delta, coeff, jnp.zeros_like(boot))], method=method)
+    (adv,) = linear_scans_time_major([(delta, coeff, jnp.zeros_like(boot))], method=method)
     adv = jnp.where(mask, adv, 0)
     return _out(adv, jnp.where(mask, adv + v, 0))
 
@@ -157,7 +157,7 @@ def turn_gae(
         mask, jnp.asarray(turn_ids).T, next_values=v, bootstrap=boot, method=method
     )
     delta, coeff, v_start = _turn_delta(r, v, turns, v_next, gamma, lam, method)
-    (adv,) = reverse_scans_time_major([(delta, coeff, jnp.zeros_like(boot))], method=method)
+    (adv,) = linear_scans_time_major([(delta, coeff, jnp.zeros_like(boot))], method=method)
     adv = jnp.where(mask, adv, 0)
     return _out(adv, jnp.where(mask, adv + v_start, 0))
 
@@ -200,12 +200,12 @@ def multiscale_advantages(
     delta, coeff, _ = _turn_delta(r, v, turns, v_next, gamma_turn, lam_turn, method)
     zero = jnp.zeros_like(boot)
     if isinstance(beta, int | float) and beta == 0:
-        (adv,) = reverse_scans_time_major([(delta, coeff, zero)], method=method)
+        (adv,) = linear_scans_time_major([(delta, coeff, zero)], method=method)
         return _out(jnp.where(mask, adv, 0))
     gamma_next = jnp.where(turns.end, gamma_turn, gamma_token)
     delta_tok = jnp.where(mask, r + gamma_next * v_next - v, 0)
     trace_coeff = jnp.where(mask, jnp.where(turns.end, 0, gamma_token * lam_token), 1)
-    adv_turn, trace = reverse_scans_time_major(
+    adv_turn, trace = linear_scans_time_major(
         [(delta, coeff, zero), (delta_tok, trace_coeff.astype(v.dtype), zero)], method=method
     )
     trace_sum, count = turn_sums_time_major([trace, mask.astype(v.dtype)], turns, method=method)

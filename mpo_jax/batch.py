@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mpo_jax.scan import ScanMethod, reverse_scans_time_major
+from mpo_jax.scan import ScanMethod, linear_scans_time_major
 
 __all__ = [
     "TurnBatch",
@@ -356,7 +356,7 @@ def neighbour_action_values_time_major(
     for x, init in zip(xs, inits, strict=True):
         m = mask.astype(x.dtype)
         terms.append((shifted(jnp.where(mask, x, 0), 0), shifted(1 - m, 1), init))
-    return reverse_scans_time_major(terms, method=method, forward=not reverse)
+    return linear_scans_time_major(terms, method=method, reverse=reverse)
 
 
 def turn_structure_time_major(
@@ -401,12 +401,12 @@ def turn_sums_time_major(
     for x in xs:
         zero = jnp.zeros(x.shape[1:], x.dtype)
         sums.append((jnp.where(turns.mask, x, 0), 1 - turns.end.astype(x.dtype), zero))
-    partials = reverse_scans_time_major(sums, method=method)
+    partials = linear_scans_time_major(sums, method=method)
     fills = []
     for p in partials:
         start = turns.start.astype(p.dtype)
         fills.append((start * p, 1 - start, jnp.zeros(p.shape[1:], p.dtype)))
-    filled = reverse_scans_time_major(fills, method=method, forward=True)
+    filled = linear_scans_time_major(fills, method=method, reverse=False)
     return [jnp.where(turns.mask, f, 0) for f in filled]
 
 

@@ -29,7 +29,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ScanMethod", "reverse_linear_scan", "forward_linear_scan", "reverse_scans_time_major"]
+__all__ = ["ScanMethod", "reverse_linear_scan", "forward_linear_scan", "linear_scans_time_major"]
 
 ScanMethod = Literal["sequential", "associative"]
 _METHODS = ("sequential", "associative")
@@ -62,11 +62,11 @@ def _affine_step(carry, ac):
     return new, new
 
 
-def reverse_scans_time_major(
+def linear_scans_time_major(
     terms: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
     *,
     method: ScanMethod = "sequential",
-    forward: bool = False,
+    reverse: bool = True,
 ) -> list[jax.Array]:
     """Several independent recurrences ``y_t = a_t + c_t * y_{t±1}`` over a leading time axis.
 
@@ -74,7 +74,8 @@ def reverse_scans_time_major(
       terms: ``(a, c, init)`` triples; ``a`` and ``c`` are [T, ...] and ``init`` is [...].
         The recurrences share one loop (``"sequential"``), so stacking them costs one pass.
       method: ``"sequential"`` or ``"associative"``.
-      forward: run ``y_t = a_t + c_t * y_{t-1}`` (from t = 0) instead of the reverse recurrence.
+      reverse: ``True`` runs ``y_t = a_t + c_t * y_{t+1}`` from the end (``y_T = init``);
+        ``False`` runs ``y_t = a_t + c_t * y_{t-1}`` from t = 0 (``y_{-1} = init``).
 
     Returns:
       The list of solutions ``y``, each shaped like its ``a``.
@@ -83,24 +84,24 @@ def reverse_scans_time_major(
     if not terms or terms[0][0].shape[0] == 0:
         return [a for a, _, _ in terms]
     if method == "associative":
-        if forward:
+        if not reverse:
             flipped = [(jnp.flip(a, 0), jnp.flip(c, 0), i) for a, c, i in terms]
             return [jnp.flip(_associative_time_major(*t), 0) for t in flipped]
         return [_associative_time_major(a, c, i) for a, c, i in terms]
     inits = tuple(i for _, _, i in terms)
     xs = tuple((a, c) for a, c, _ in terms)
-    _, ys = jax.lax.scan(_affine_step, inits, xs, reverse=not forward)
+    _, ys = jax.lax.scan(_affine_step, inits, xs, reverse=reverse)
     return list(ys)
 
 
-def _scan_along(a, c, init, axis, method, forward, name):
+def _scan_along(a, c, init, axis, method, reverse, name):
     a = jnp.asarray(a)
     c = jnp.asarray(c, a.dtype)
     if a.shape != c.shape:
         raise ValueError(f"{name}: a has shape {a.shape}, c has shape {c.shape}")
     a_tm, c_tm = jnp.moveaxis(a, axis, 0), jnp.moveaxis(c, axis, 0)
     init = jnp.broadcast_to(jnp.asarray(init, a.dtype), a_tm.shape[1:])
-    (y,) = reverse_scans_time_major([(a_tm, c_tm, init)], method=method, forward=forward)
+    (y,) = linear_scans_time_major([(a_tm, c_tm, init)], method=method, reverse=reverse)
     return jnp.moveaxis(y, 0, axis)
 
 
@@ -129,7 +130,7 @@ def reverse_linear_scan(
       >>> reverse_linear_scan(jnp.array([1.0, 1.0, 1.0]), jnp.array([0.5, 0.5, 0.5]))
       Array([1.75, 1.5 , 1.  ], dtype=float32)
     """
-    return _scan_along(a, c, init, axis, method, False, "reverse_linear_scan")
+    return _scan_along(a, c, init, axis, method, True, "reverse_linear_scan")
 
 
 def forward_linear_scan(
@@ -147,4 +148,4 @@ def forward_linear_scan(
       >>> forward_linear_scan(jnp.array([1.0, 1.0, 1.0]), jnp.array([0.5, 0.5, 0.5]))
       Array([1.  , 1.5 , 1.75], dtype=float32)
     """
-    return _scan_along(a, c, init, axis, method, True, "forward_linear_scan")
+    return _scan_along(a, c, init, axis, method, False, "forward_linear_scan")
