@@ -481,3 +481,17 @@ def test_evaluation_samples_from_a_stream_no_training_step_or_other_process_uses
     }
     assert len(train_keys) == 2 * 300 * 3 and len(eval_keys) == 2 * 6 * 3
     assert not train_keys & eval_keys
+
+
+def test_validate_batches_checks_every_scored_batch(tmp_path, monkeypatch):
+    trainer = run.Trainer(parse_args(flags(tmp_path, "--validate-batches")))
+    seen = []
+    monkeypatch.setattr(run, "validate", lambda batch, **kw: seen.append(kw["vocab_size"]))
+    trainer.step(0)
+    assert seen == [trainer.codec.vocab_size]
+    # and a real scored batch passes the real check (every field, sampler_logp included)
+    from mpo_jax.batch import validate
+
+    batch, _ = trainer.score(trainer.rollout(1))
+    assert batch.sampler_logp is not None and batch.old_logp is not None
+    validate(batch, vocab_size=trainer.codec.vocab_size)

@@ -77,6 +77,7 @@ class TrainConfig:
     eval_split: str = "test"
     eval_env_set: dict[str, Any] = dataclasses.field(default_factory=dict)
     log_ref_kl: bool = True
+    validate_batches: bool = False
     checkpoint_every: int = 25
     keep_checkpoints: int = 2
     run_dir: str = "runs/default"
@@ -187,6 +188,8 @@ HELP: dict[str, str] = {
     "eval_env_set": "environment options for evaluation only, KEY=VALUE (over --env-set)",
     "log_ref_kl": "score the reference model every step to log the KL to it (ref_kl), even "
     "when the preset has no KL term",
+    "validate_batches": "check every scored batch with mpo_jax.batch.validate (names the field, "
+    "row and rule a broken batch breaks; costs host time, for debugging environments)",
     "checkpoint_every": "checkpoint every N steps and at the end (may change on --resume)",
     "keep_checkpoints": "checkpoints kept (may change on --resume)",
     "run_dir": "the run directory: config.json, metrics.jsonl, tensorboard/, checkpoints/",

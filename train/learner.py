@@ -49,7 +49,9 @@ class Models:
 def make_optimizer(
     lr: float, *, warmup_steps: int, updates_per_step: int = 1, clip: float, weight_decay: float
 ):
-    """AdamW with linear warmup over training steps and global-norm clipping.
+    """AdamW with linear warmup over training steps and global-norm clipping, inside
+    ``optax.apply_if_finite``: an update whose gradients are not finite is skipped (parameters
+    and optimizer state unchanged) however many come in a row.
 
     Every optimizer update of training step s (from 0) uses lr * min(1, (s + 1) / warmup_steps),
     where a step makes ``updates_per_step`` updates (epochs x minibatches): the first step already
@@ -64,9 +66,10 @@ def make_optimizer(
         def schedule(count):
             return lr * jnp.minimum(1.0, (count // per + 1) / warmup_steps)
 
-    return optax.chain(
+    inner = optax.chain(
         optax.clip_by_global_norm(clip), optax.adamw(schedule, weight_decay=weight_decay)
     )
+    return optax.apply_if_finite(inner, max_consecutive_errors=2**30)
 
 
 def _shift_right(x):
@@ -129,10 +132,6 @@ def answer_logprobs(graphdef, params, tokens, prefix_lengths, answer, answer_len
     return jnp.sum(jnp.where(present, logp, 0), axis=1) / jnp.maximum(answer_len, 1)
 
 
-def _all_finite(tree) -> jax.Array:
-    return jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
 class UpdateFns:
     """Jitted loss-and-gradient functions and the guarded optimizer step for one preset."""
 
@@ -192,15 +191,16 @@ class UpdateFns:
         return loss, metrics
 
     def _apply(self, which, params, opt_state, grads, loss):
-        """One optimizer step, skipped (parameters and state unchanged) if anything is not
-        finite. Returns (params, opt_state, applied, grad_norm)."""
+        """One optimizer step, skipped by ``optax.apply_if_finite`` (parameters and state
+        unchanged) if the gradients or the loss are not finite. Returns (params, opt_state,
+        applied, grad_norm); the norm is 0 for a skipped step."""
         tx = self.actor_tx if which == "actor" else self.critic_tx
-        ok = _all_finite(grads) & jnp.isfinite(loss)
-        safe = jax.tree.map(lambda g: jnp.where(ok, g, 0), grads)
-        updates, new_state = tx.update(safe, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
-        return keep(new_params, params), keep(new_state, opt_state), ok, optax.tree.norm(safe)
+        # a non-finite loss poisons the gradients, so apply_if_finite's one check covers both
+        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
+        updates, new_state = tx.update(grads, opt_state, params)
+        ok = new_state.last_finite
+        norm = jnp.where(ok, optax.tree.norm(grads), 0.0)
+        return optax.apply_updates(params, updates), new_state, ok, norm
 
 
 def loss_fields(algo: Algorithm) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ from flax import nnx
 import envs
 from envs.rollout import EPISODE_FIGURES, collect
 from mpo_jax import algorithms, diagnostics, losses
-from mpo_jax.batch import TurnBatch
+from mpo_jax.batch import TurnBatch, validate
 from train.checkpoint import Checkpoints
 from train.config import DEFAULT_MAX_LEN, RESUMABLE, TrainConfig, check_mesh_fit, parse_args
 from train.config import save_config as write_config
@@ -212,6 +212,8 @@ class Trainer:
             rollouts = self.rollout(step)
         with timer("scoring"):
             batch, scored = self.score(rollouts)
+            if self.cfg.validate_batches:
+                validate(batch, vocab_size=self.codec.vocab_size)
         with timer("credit"):
             credit = self._credit(self.algo, batch)
             credit_metrics = self.credit_metrics(rollouts, batch, credit)
