@@ -107,48 +107,45 @@ def test_clamp_keeps_a_long_turn_finite():
     assert not np.isfinite(value)
 
 
+@functools.partial(jax.jit, static_argnames=("mode", "kind"))
+def _loss_grad(x, other, target, mask, tid, normalizer, *, mode, kind):
+    """The gradient of the policy loss (x = logp, other = old_logp, target = advantages) or the
+    value loss (x = values, other = old values, target = returns), divided by ``normalizer``.
+    Jitted with the data as arguments: one compile per shape serves every example."""
+
+    def loss(x):
+        if kind == "policy":
+            fn, args = L.policy_loss, (x, other, target, mask, tid)
+        else:
+            fn, args = L.value_loss, (x, other, target, mask, tid)
+        return fn(*args, aggregation=mode, normalizer=normalizer)[0]
+
+    return jax.grad(loss)(x)
+
+
 @pytest.mark.parametrize("mode", L.AGGREGATIONS)
 @hypothesis.given(seed=SEEDS)
 def test_micro_batches_accumulate_to_the_full_batch_gradient(mode, seed):
     with jax.enable_x64(True):
         b = random_batch(np.random.default_rng(seed), batch=8, length=24)
         advs = np.where(b.loss_mask, np.random.default_rng(seed).normal(size=b.logp.shape), 0)
+        for kind, x, other, target in (
+            ("policy", b.logp, b.old_logp, advs),
+            ("value", b.values + 0.3, b.values, b.rewards),
+        ):
+            _, count = L.aggregate(np.zeros(x.shape), b.loss_mask, b.turn_ids, mode=mode)
 
-        def policy(lp, rows, normalizer=None):
-            return L.policy_loss(
-                lp,
-                b.old_logp[rows],
-                advs[rows],
-                b.loss_mask[rows],
-                b.turn_ids[rows],
-                aggregation=mode,
-                normalizer=normalizer,
-            )
+            def grad(rows, normalizer, kind=kind, x=x, other=other, target=target):
+                data = (x[rows], other[rows], target[rows], b.loss_mask[rows], b.turn_ids[rows])
+                return np.asarray(_loss_grad(*data, normalizer, mode=mode, kind=kind))
 
-        def value(v, rows, normalizer=None):
-            return L.value_loss(
-                v,
-                b.values[rows],
-                b.rewards[rows],
-                b.loss_mask[rows],
-                b.turn_ids[rows],
-                aggregation=mode,
-                normalizer=normalizer,
-            )
-
-        for fn, x in ((policy, b.logp), (value, b.values + 0.3)):
-            assert_micro_batches_match(fn, x, (slice(0, 3), slice(3, 5), slice(5, 8)))
-
-
-def assert_micro_batches_match(fn, x, splits):
-    """Σ over micro-batches of grad(loss_mb / full count) equals grad of the full-batch loss."""
-    full = slice(None)
-    full_grad = jax.grad(lambda x: fn(x, full)[0])(x)
-    count = fn(x, full)[1]["loss_count"]
-    acc = np.zeros_like(x)
-    for rows in splits:
-        acc[rows] += np.asarray(jax.grad(lambda xr, rows=rows: fn(xr, rows, count)[0])(x[rows]))
-    np.testing.assert_allclose(acc, full_grad, atol=1e-12)
+            # Σ over micro-batches of grad(loss_mb / full count) = grad of the full-batch loss
+            # (which divides by its own count: normalizer None)
+            full = grad(slice(None), None)
+            acc = np.zeros_like(x)
+            for rows in (slice(0, 3), slice(3, 5), slice(5, 8)):
+                acc[rows] += grad(rows, count)
+            np.testing.assert_allclose(acc, full, atol=1e-12)
 
 
 def test_dual_clip_bounds_negative_advantage_losses():
