@@ -336,7 +336,8 @@ def test_evaluation_is_held_out_and_fresh_under_their_own_names(tmp_path):
 
 def test_truncated_rows_are_bootstrapped_with_the_critic_and_finished_rows_are_not(tmp_path):
     # a length budget shorter than the longest episode: some rows are cut (outcome unknown)
-    trainer = run.Trainer(parse_args(flags(tmp_path, "--prompts-per-step", "32", "--max-len", "20")))
+    cut_flags = ("--prompts-per-step", "32", "--max-len", "20")
+    trainer = run.Trainer(parse_args(flags(tmp_path, *cut_flags)))
     # the value head starts at zero: move it so that the critic says something
     trainer.state["critic"] = jax.tree.map(lambda x: x + 0.05, trainer.state["critic"])
     rollouts = trainer.rollout(0)

@@ -73,8 +73,8 @@ _LONG = {"--prompts-per-step": 8, "--group-size": 4, "--eval-every": 10, "--eval
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "full": {
         "synthetic-keydoor": {"--steps": 80, **_STEP, **_COMMON},
-        "synthetic-nav-noisy": {"--steps": 100, **_STEP, **_COMMON},
-        "synthetic-nav-longturns": {"--steps": 50, **_COMMON, **_LONG},
+        "synthetic-nav-noisy": {"--steps": 80, **_STEP, **_COMMON},
+        "synthetic-nav-longturns": {"--steps": 40, **_COMMON, **_LONG},
     },
     "quick": {
         "synthetic-keydoor": {"--steps": 40, **_STEP, **_COMMON},
