@@ -67,7 +67,15 @@ ENVS = ("synthetic-nav-longturns", "synthetic-keydoor", "synthetic-nav-noisy")
 
 # The sizes of one run, the same for every preset (flags of train.run), per environment: sized so
 # that the whole grid fits about an hour of this project's 2-core CPU (see benchmarks/credit/).
-_COMMON = {"--eval-k": 4, "--eval-every": 20, "--eval-episodes": 32, "--no-progress": None}
+# The entropy bonus is pinned (at 0, the trainer's default when the grid ran) so that a change of
+# the trainer's defaults never changes the study's numbers.
+_COMMON = {
+    "--eval-k": 4,
+    "--eval-every": 20,
+    "--eval-episodes": 32,
+    "--entropy-coef": 0.0,
+    "--no-progress": None,
+}
 _STEP = {"--prompts-per-step": 16, "--group-size": 4}
 _LONG = {"--prompts-per-step": 8, "--group-size": 4, "--eval-every": 10, "--eval-episodes": 16}
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
