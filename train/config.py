@@ -66,7 +66,7 @@ class TrainConfig:
     warmup_steps: int = 10
     grad_clip: float = 1.0
     weight_decay: float = 0.0
-    entropy_coef: float = 0.01
+    entropy_coef: float = 0.02
     epochs: int = 1
     minibatches: int = 2
     micro_batches: int = 1

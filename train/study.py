@@ -413,14 +413,21 @@ def main(argv: list[str] | None = None) -> int:
         "flags": {e: _flags(run_size(size_name, e)) for e in env_names},
         "seeds": seeds,
         "jobs": args.jobs,
-        "wall_s": time.perf_counter() - started,
+        # this call's wall time (None for --report-only) and the runs' own, summed
+        "wall_s": None if args.report_only else time.perf_counter() - started,
+        "runs_wall_s": sum(
+            json.loads((c.run_dir(root) / "study.json").read_text())["wall_s"]
+            for c in cells
+            if (c.run_dir(root) / "study.json").exists()
+        ),
     }
     (out_dir / "results.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1) + "\n"
     )
     (out_dir / "results.md").write_text(markdown(results, size_name, variants))
     plot(results, out_dir)
-    print(f"wrote {out_dir}/results.md, results.json and curves_*.png in {meta['wall_s']:.0f} s")
+    took = time.perf_counter() - started
+    print(f"wrote {out_dir}/results.md, results.json and curves_*.png in {took:.0f} s")
     return 0
 
 
