@@ -29,6 +29,7 @@ __all__ = [
     "RESUMABLE",
     "parse_args",
     "save_config",
+    "read_run_config",
     "check_mesh_fit",
     "DEFAULT_MAX_LEN",
 ]
@@ -250,7 +251,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_run_config(path: Path) -> dict[str, Any]:
+    """A run's config.json as field values (the informational resolved algorithm dropped)."""
     values = json.loads(path.read_text())
     values.pop("algorithm", None)  # the resolved algorithm, written for reading
     return values
@@ -262,7 +264,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     args = _parser().parse_args(argv)
     values: dict[str, Any] = {}
     if args.config:
-        values.update(_read_config(Path(args.config)))
+        values.update(read_run_config(Path(args.config)))
     for f in dataclasses.fields(TrainConfig):
         given = getattr(args, f.name)
         if given is None:
@@ -288,7 +290,7 @@ def _resume_values(given: dict[str, Any]) -> dict[str, Any]:
             f"--resume: {path} does not exist, so there is no run to resume in {run_dir} "
             "(start it without --resume)"
         )
-    stored = _read_config(path)
+    stored = read_run_config(path)
     conflicts = [
         f"{_flag(name)}={value!r} (the run has {stored.get(name)!r})"
         for name, value in sorted(given.items())

@@ -21,7 +21,6 @@ training split. Each set is logged under its own name (``eval_heldout_*``, ``eva
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -35,7 +34,14 @@ from envs.rollout import EPISODE_FIGURES, collect
 from mpo_jax import algorithms, diagnostics, losses
 from mpo_jax.batch import TurnBatch, validate
 from train.checkpoint import Checkpoints
-from train.config import DEFAULT_MAX_LEN, RESUMABLE, TrainConfig, check_mesh_fit, parse_args
+from train.config import (
+    DEFAULT_MAX_LEN,
+    RESUMABLE,
+    TrainConfig,
+    check_mesh_fit,
+    parse_args,
+    read_run_config,
+)
 from train.config import save_config as write_config
 from train.distributed import (
     gather_array,
@@ -521,7 +527,7 @@ def _write_config(trainer: Trainer, path: Path) -> None:
     """config.json for a new run; on resume, rewritten only when a resumable field changed."""
     cfg = trainer.cfg
     if cfg.resume and path.exists():
-        stored = json.loads(path.read_text())
+        stored = read_run_config(path)
         changed = {k: getattr(cfg, k) for k in RESUMABLE if stored.get(k) != getattr(cfg, k)}
         if not changed:
             return
