@@ -1,17 +1,23 @@
-"""Throughput of the advantage estimators against the per-timestep loop and a copy floor.
+"""Speed of the advantage estimators against the per-timestep loop the peers run.
 
-    python benchmarks/advantages.py [--reps 5] [--sizes 16x4096,256x32768]
+    python benchmarks/advantages.py [--reps 5] [--sizes 16x4096,256x4096,256x32768]
 
-For each B x T, a batch with realistic multi-turn structure (a prompt, assistant turns of 50-400
-tokens, tool observations of 100-800 tokens, padding) is timed for:
+The baseline is verl's GAE loop (``compute_gae_advantage_return`` with a response mask): a reverse
+loop over timesteps, vectorised over the batch in NumPy, carrying the next action token's value
+and the running advantage and blending them with the mask on observation tokens. It is checked
+equal to :func:`mpo_jax.advantages.token_gae` before timing, and it is the baseline for both
+estimators (the peers have no MAE; MAE must still beat the loop they would write for GAE).
 
-* ``token_gae`` and ``multiscale_advantages`` (jitted, both scan strategies);
-* the per-timestep loop that verl / TRL / OpenRLHF use, vectorised over the batch in NumPy, with
-  the same semantics (observation tokens skipped; for MAE a reverse and a forward pass);
-* a copy floor: one jitted pass that reads the inputs and writes one output.
+Two layouts, every row filled with turns the way an agent's conversation is:
 
-Every number is the median of ``--reps`` runs in this process; the table prints Mtok/s (B*T
-tokens per second) and the ratios that matter: speed-up over the loop and share of the floor.
+* ``agentic``: a 10-token prompt, assistant turns of 20-400 tokens, observations of 10-300
+  tokens, repeated until the row is full (no padding; about 57% action tokens);
+* ``long-context``: a 128-512-token prompt, turns of 50-400, observations of 100-800, and 0-30%
+  padding at the end (about 29% action tokens).
+
+Every time is the median of ``--reps`` warm calls in this process (a trainer calls the estimator
+every step with the same shapes, so compilation is paid once); the first call, compilation
+included, is printed beside it. Times in milliseconds; ``x loop`` = loop time / ours.
 """
 
 from __future__ import annotations
@@ -29,22 +35,30 @@ from mpo_jax import advantages as A
 
 GAMMA, LAM = 1.0, 0.95
 MAE = dict(gamma_turn=1.0, lam_turn=0.95, gamma_token=1.0, lam_token=0.95, beta=0.5)
+LAYOUTS = {
+    # prompt length, turn length, observation length (ranges inclusive), padded share of the row
+    "agentic": ((10, 10), (20, 400), (10, 300), (0.0, 0.0)),
+    "long-context": ((128, 511), (50, 399), (100, 799), (0.0, 0.3)),
+}
 
 
-def make_batch(b: int, t: int, seed: int = 0):
+def make_batch(b: int, t: int, layout: str = "agentic", seed: int = 0):
+    """(rewards, values, loss_mask, turn_ids) with the layout's structure; outcome on the last
+    action token, random values."""
+    (p_lo, p_hi), (n_lo, n_hi), (o_lo, o_hi), (pad_lo, pad_hi) = LAYOUTS[layout]
     rng = np.random.default_rng(seed)
     mask = np.zeros((b, t), bool)
     tid = np.full((b, t), -1, np.int32)
     for i in range(b):
-        pos = int(rng.integers(128, 512))
-        end = int(t * rng.uniform(0.7, 1.0))  # padding at the end
+        pos = int(rng.integers(p_lo, p_hi + 1))
+        end = t - int(t * rng.uniform(pad_lo, pad_hi))
         k = 0
         while pos < end:
-            n = int(rng.integers(50, 400))
+            n = int(rng.integers(n_lo, n_hi + 1))
             mask[i, pos : min(pos + n, end)] = True
             tid[i, pos : min(pos + n, end)] = k
             k += 1
-            pos += n + int(rng.integers(100, 800))
+            pos += n + int(rng.integers(o_lo, o_hi + 1))
     rewards = np.zeros((b, t), np.float32)
     last = t - 1 - np.argmax(mask[:, ::-1], axis=1)
     rewards[np.arange(b), last] = rng.integers(0, 2, size=b)
@@ -52,25 +66,27 @@ def make_batch(b: int, t: int, seed: int = 0):
     return rewards, values, mask, tid
 
 
-def loop_token_gae(r, v, m, gamma, lam):
-    """verl-style reverse loop over timesteps, vectorised over the batch, skipping observations."""
+def peer_gae_loop(r, v, m, gamma, lam):
+    """verl's masked GAE loop, in NumPy over [B, T] arrays (their torch code, line for line)."""
     b, t = r.shape
-    adv = np.zeros_like(r)
-    last = np.zeros(b, r.dtype)
+    mf = m.astype(r.dtype)
     next_v = np.zeros(b, r.dtype)
-    for j in range(t - 1, -1, -1):
-        mj = m[:, j]
+    last = np.zeros(b, r.dtype)
+    reversed_adv = []
+    for j in reversed(range(t)):
         delta = r[:, j] + gamma * next_v - v[:, j]
         new = delta + gamma * lam * last
-        last = np.where(mj, new, last)
-        next_v = np.where(mj, v[:, j], next_v)
-        adv[:, j] = np.where(mj, new, 0)
-    return adv, np.where(m, adv + v, 0)
+        next_v = v[:, j] * mf[:, j] + (1 - mf[:, j]) * next_v
+        last = new * mf[:, j] + (1 - mf[:, j]) * last
+        reversed_adv.append(last)
+    adv = np.stack(reversed_adv[::-1], axis=1)
+    return adv * mf, (adv + v) * mf
 
 
 def loop_multiscale(r, v, m, tid, gamma_turn, lam_turn, gamma_token, lam_token, beta):
-    """The same MAE semantics as one reverse per-timestep loop (trace, turn sums, A_k when a turn
-    closes), then a vectorised gather that broadcasts A_k and the trace mean over each turn."""
+    """MAE as one reverse per-timestep loop (trace, turn sums, A_k when a turn closes), then a
+    vectorised gather that broadcasts A_k and the trace mean over each turn: an independent
+    transcription that the check below holds ours to (not timed: the peers have no MAE)."""
     b, t = r.shape
     n_turns = int(tid.max()) + 2
     rows = np.arange(b)
@@ -116,62 +132,69 @@ def loop_multiscale(r, v, m, tid, gamma_turn, lam_turn, gamma_token, lam_token, 
 def check_loops_agree(r, v, m, tid):
     """The baselines must compute what we compute, or the comparison means nothing."""
     ours = A.token_gae(r, v, m, gamma=GAMMA, lam=LAM)
-    for x, y in zip(ours, loop_token_gae(r, v, m, GAMMA, LAM), strict=True):
+    for x, y in zip(ours, peer_gae_loop(r, v, m, GAMMA, LAM), strict=True):
         np.testing.assert_allclose(x, y, atol=1e-3)
     ours = A.multiscale_advantages(r, v, m, tid, **MAE)
     np.testing.assert_allclose(ours, loop_multiscale(r, v, m, tid, **MAE), atol=1e-3)
 
 
 def timed(fn, reps):
-    jax.block_until_ready(fn())  # compile / warm up
+    """(first call, compilation included; median of ``reps`` warm calls), seconds."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    first = time.perf_counter() - t0
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return first, statistics.median(times)
 
 
-def bench_size(b: int, t: int, reps: int, loop_reps: int) -> str:
-    r, v, m, tid = make_batch(b, t)
+def bench(layout: str, b: int, t: int, reps: int, loop_reps: int) -> str:
+    r, v, m, tid = make_batch(b, t, layout)
     n = min(t, 4096)
     check_loops_agree(r[:4, :n], v[:4, :n], m[:4, :n], tid[:4, :n])
     rj, vj, mj, tj = (jnp.asarray(x) for x in (r, v, m, tid))
-    floor = jax.jit(lambda r, v, m, tid: jnp.where(m & (tid >= 0), r + v, 0))
-    row = {"floor": timed(lambda: floor(rj, vj, mj, tj), reps)}
+    _, loop = timed(lambda: peer_gae_loop(r, v, m, GAMMA, LAM), loop_reps)
+    row = {}
     for method in ("sequential", "associative"):
         gae = jax.jit(functools.partial(A.token_gae, gamma=GAMMA, lam=LAM, method=method))
         mae = jax.jit(functools.partial(A.multiscale_advantages, method=method, **MAE))
-        row[f"gae_{method}"] = timed(lambda gae=gae: gae(rj, vj, mj), reps)
-        row[f"mae_{method}"] = timed(lambda mae=mae: mae(rj, vj, mj, tj), reps)
-    row["gae_loop"] = timed(lambda: loop_token_gae(r, v, m, GAMMA, LAM), loop_reps)
-    row["mae_loop"] = timed(lambda: loop_multiscale(r, v, m, tid, **MAE), loop_reps)
-    mtok = {k: f"{b * t / 1e6 / x:.0f}" for k, x in row.items()}
-    cells = [f"{b} x {t}", mtok["floor"]]
+        row["gae", method] = timed(lambda gae=gae: gae(rj, vj, mj), reps)
+        row["mae", method] = timed(lambda mae=mae: mae(rj, vj, mj, tj), reps)
+    ms = lambda x: f"{1e3 * x:.0f}"  # noqa: E731
+    pad = 1 - np.maximum.accumulate(m[:, ::-1], axis=1)[:, ::-1].mean()  # after the last action
+    cells = [layout, f"{b} x {t}", f"{100 * m.mean():.0f}%", f"{100 * pad:.0f}%", ms(loop)]
     for est in ("gae", "mae"):
-        cells += [mtok[f"{est}_sequential"], mtok[f"{est}_associative"], mtok[f"{est}_loop"]]
-        cells.append(f"{row[f'{est}_loop'] / row[f'{est}_sequential']:.1f}x")
-        cells.append(f"{100 * row['floor'] / row[f'{est}_sequential']:.0f}%")
+        first, warm = row[est, "sequential"]
+        cells += [ms(warm), f"**{loop / warm:.1f}x**", ms(row[est, "associative"][1]), ms(first)]
     return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--loop-reps", type=int, default=1)
-    parser.add_argument("--sizes", default="16x4096,16x32768,256x4096,256x32768")
+    parser.add_argument("--loop-reps", type=int, default=3)
+    parser.add_argument("--sizes", default="16x4096,256x4096,256x32768")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, float32, median of {args.reps}")
+    platform = jax.devices()[0].platform
+    print(f"jax {jax.__version__} on {platform}, float32, median of {args.reps} warm calls")
     header = (
-        "| B x T | floor | token_gae seq | assoc | loop | x loop | % floor "
-        "| MAE seq | assoc | loop | x loop | % floor |"
+        "| layout | B x T | action | tail pad | peer loop | token_gae | x loop | assoc | 1st call "
+        "| MAE | x loop | assoc | 1st call |"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
-    for size in args.sizes.split(","):
-        b, t = (int(x) for x in size.split("x"))
-        print(bench_size(b, t, args.reps, args.loop_reps), flush=True)
-    print("Mtok/s unless marked; 'x loop' = loop time / our time; '% floor' = floor time / ours.")
+    for layout in args.layouts.split(","):
+        for size in args.sizes.split(","):
+            b, t = (int(x) for x in size.split("x"))
+            print(bench(layout, b, t, args.reps, args.loop_reps), flush=True)
+    print(
+        "ms per call; token_gae / MAE: the sequential (default) form, warm; assoc: "
+        "method='associative', warm; 1st call: the sequential form's first call, compile included."
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from mpo_jax.batch import (
     turn_structure_time_major,
     turn_sums_time_major,
 )
+from mpo_jax.fused import token_gae_loop, turn_credit_loop
 from mpo_jax.scan import ScanMethod, linear_scans_time_major, reverse_linear_scan
 
 __all__ = [
@@ -124,6 +125,9 @@ def token_gae(
       [[1.0, 0.0, 1.0]]
     """
     r, v, mask, boot = _prepare(rewards, values, loss_mask, bootstrap_value)
+    if method == "sequential":
+        adv = token_gae_loop(r, v, mask, boot, gamma=gamma, lam=lam)
+        return _out(adv, jnp.where(mask, adv + v, 0))
     (v_next,) = neighbour_action_values_time_major([v], mask, [boot], reverse=True, method=method)
     delta = jnp.where(mask, r + gamma * v_next - v, 0)
     coeff = jnp.where(mask, gamma * lam, 1).astype(v.dtype)
@@ -153,6 +157,9 @@ def turn_gae(
       (advantages, returns), each [B, T], 0 off ``loss_mask``.
     """
     r, v, mask, boot = _prepare(rewards, values, loss_mask, bootstrap_value)
+    if method == "sequential":
+        ids = jnp.asarray(turn_ids).T
+        return _out(*turn_credit_loop(r, v, mask, ids, boot, gamma_turn=gamma, lam_turn=lam))
     turns, v_next = turn_structure_time_major(
         mask, jnp.asarray(turn_ids).T, next_values=v, bootstrap=boot, method=method
     )
@@ -194,6 +201,20 @@ def multiscale_advantages(
       :func:`token_gae`'s returns.)
     """
     r, v, mask, boot = _prepare(rewards, values, loss_mask, bootstrap_value)
+    if method == "sequential":
+        adv, _ = turn_credit_loop(
+            r,
+            v,
+            mask,
+            jnp.asarray(turn_ids).T,
+            boot,
+            gamma_turn=gamma_turn,
+            lam_turn=lam_turn,
+            gamma_token=gamma_token,
+            lam_token=lam_token,
+            beta=beta,
+        )
+        return _out(adv)
     turns, v_next = turn_structure_time_major(
         mask, jnp.asarray(turn_ids).T, next_values=v, bootstrap=boot, method=method
     )
