@@ -16,19 +16,24 @@ from __future__ import annotations
 
 from typing import Literal
 
+import chex
 import jax
 import jax.numpy as jnp
 
-from mpo_jax.batch import (
+from mpo_jax.fused import token_gae_loop, turn_credit_loop
+from mpo_jax.scan import ScanMethod, linear_scans_time_major, reverse_linear_scan
+from mpo_jax.segments import (
+    Turns,
     TurnStructure,
     broadcast_turn_values,
+    check_rows,
+    check_same_shape,
+    check_token_arrays,
     float_dtype,
     neighbour_action_values_time_major,
     turn_structure_time_major,
     turn_sums_time_major,
 )
-from mpo_jax.fused import token_gae_loop, turn_credit_loop
-from mpo_jax.scan import ScanMethod, linear_scans_time_major, reverse_linear_scan
 
 __all__ = [
     "token_gae",
@@ -50,8 +55,10 @@ ArrayLike = jax.typing.ArrayLike
 # ----------------------------------------------------------------------------------------------
 
 
-def _prepare(rewards, values, loss_mask, bootstrap_value):
+def _prepare(fn, rewards, values, loss_mask, bootstrap_value, turn_ids=None):
     """Time-major float arrays with off-mask entries zeroed, and the bootstrap carry [B]."""
+    check_token_arrays(fn, rewards=rewards, values=values, loss_mask=loss_mask, turn_ids=turn_ids)
+    check_rows(fn, jnp.shape(loss_mask)[0], bootstrap_value=bootstrap_value)
     dtype = float_dtype(rewards, values)
     mask = jnp.asarray(loss_mask, bool).T
     r = jnp.where(mask, jnp.asarray(rewards, dtype).T, 0)
@@ -62,6 +69,17 @@ def _prepare(rewards, values, loss_mask, bootstrap_value):
         else jnp.broadcast_to(jnp.asarray(bootstrap_value, dtype), mask.shape[1:])
     )
     return r, v, mask, boot
+
+
+def _turns_and_next_values(mask, turn_ids, v, boot, turns: Turns | None, method):
+    """The time-major turn structure and V at the next action token (``boot`` after the last):
+    one reverse loop for both, or only the values when the caller passes its ``turns``."""
+    if turns is None:
+        return turn_structure_time_major(
+            mask, jnp.asarray(turn_ids).T, next_values=v, bootstrap=boot, method=method
+        )
+    (v_next,) = neighbour_action_values_time_major([v], mask, [boot], reverse=True, method=method)
+    return turns.time_major(), v_next
 
 
 def _turn_delta(r, v, turns: TurnStructure, v_next, gamma, lam, method):
@@ -124,7 +142,7 @@ def token_gae(
       >>> adv.tolist()
       [[1.0, 0.0, 1.0]]
     """
-    r, v, mask, boot = _prepare(rewards, values, loss_mask, bootstrap_value)
+    r, v, mask, boot = _prepare("token_gae", rewards, values, loss_mask, bootstrap_value)
     if method == "sequential":
         adv = token_gae_loop(r, v, mask, boot, gamma=gamma, lam=lam)
         return _out(adv, jnp.where(mask, adv + v, 0))
@@ -145,6 +163,7 @@ def turn_gae(
     gamma: float,
     lam: float,
     bootstrap_value: ArrayLike | None = None,
+    turns: Turns | None = None,
     method: ScanMethod = "sequential",
 ) -> tuple[jax.Array, jax.Array]:
     """Turn-level GAE (turn-PPO): credit decays per turn, whatever the turn's length.
@@ -153,17 +172,18 @@ def turn_gae(
     ``bootstrap_value``, default 0); ``A_k = δ_k + γλ A_{k+1}``. Every token of turn k gets
     ``A_k``; returns ``G_k = A_k + V_{s_k}``.
 
+    ``turns`` (from :func:`mpo_jax.segments.turn_structure`) skips recomputing the structure in
+    the associative form; the sequential form finds turn boundaries inside its one loop.
+
     Returns:
       (advantages, returns), each [B, T], 0 off ``loss_mask``.
     """
-    r, v, mask, boot = _prepare(rewards, values, loss_mask, bootstrap_value)
+    r, v, mask, boot = _prepare("turn_gae", rewards, values, loss_mask, bootstrap_value, turn_ids)
     if method == "sequential":
         ids = jnp.asarray(turn_ids).T
         return _out(*turn_credit_loop(r, v, mask, ids, boot, gamma_turn=gamma, lam_turn=lam))
-    turns, v_next = turn_structure_time_major(
-        mask, jnp.asarray(turn_ids).T, next_values=v, bootstrap=boot, method=method
-    )
-    delta, coeff, v_start = _turn_delta(r, v, turns, v_next, gamma, lam, method)
+    structure, v_next = _turns_and_next_values(mask, turn_ids, v, boot, turns, method)
+    delta, coeff, v_start = _turn_delta(r, v, structure, v_next, gamma, lam, method)
     (adv,) = linear_scans_time_major([(delta, coeff, jnp.zeros_like(boot))], method=method)
     adv = jnp.where(mask, adv, 0)
     return _out(adv, jnp.where(mask, adv + v_start, 0))
@@ -181,6 +201,7 @@ def multiscale_advantages(
     lam_token: float,
     beta: float,
     bootstrap_value: ArrayLike | None = None,
+    turns: Turns | None = None,
     method: ScanMethod = "sequential",
 ) -> jax.Array:
     """Multiscale advantages (MPO's MAE): turn GAE plus a mean-centred intra-turn trace.
@@ -194,13 +215,16 @@ def multiscale_advantages(
         Â_t = A_k + β (a_t - mean_{S_k} a).
 
     This is the least-squares projection of ``A_k + β a`` onto {turn mean = A_k}: every turn's
-    mean advantage is exactly ``A_k`` for any β, and β = 0 is turn-PPO.
+    mean advantage is exactly ``A_k`` for any β, and β = 0 is turn-PPO. ``turns``: as in
+    :func:`turn_gae`.
 
     Returns:
       advantages [B, T], 0 off ``loss_mask``. (The critic's targets stay PPO's: use
       :func:`token_gae`'s returns.)
     """
-    r, v, mask, boot = _prepare(rewards, values, loss_mask, bootstrap_value)
+    r, v, mask, boot = _prepare(
+        "multiscale_advantages", rewards, values, loss_mask, bootstrap_value, turn_ids
+    )
     if method == "sequential":
         adv, _ = turn_credit_loop(
             r,
@@ -215,9 +239,7 @@ def multiscale_advantages(
             beta=beta,
         )
         return _out(adv)
-    turns, v_next = turn_structure_time_major(
-        mask, jnp.asarray(turn_ids).T, next_values=v, bootstrap=boot, method=method
-    )
+    turns, v_next = _turns_and_next_values(mask, turn_ids, v, boot, turns, method)
     delta, coeff, _ = _turn_delta(r, v, turns, v_next, gamma_turn, lam_turn, method)
     zero = jnp.zeros_like(boot)
     if isinstance(beta, int | float) and beta == 0:
@@ -242,21 +264,29 @@ def turn_log_ratio(
     turn_ids: ArrayLike,
     *,
     reduce: Literal["sum", "mean"] = "sum",
+    turns: Turns | None = None,
     method: ScanMethod = "sequential",
 ) -> jax.Array:
     """The turn log-ratio ``L_k = Σ_{t∈S_k} (logp_t - old_logp_t)``, broadcast to the turn's tokens.
 
     ``reduce="mean"`` divides by ``|S_k|`` (the geometric-mean ratio of GSPO and ST-PPO).
-    Differentiable in ``logp``; unclamped (the policy loss clamps before ``exp``).
+    Differentiable in ``logp``; unclamped (the policy loss clamps before ``exp``). ``turns``
+    (:func:`mpo_jax.segments.turn_structure`) skips recomputing the structure.
 
     Returns:
       [B, T], 0 off ``loss_mask``.
     """
     if reduce not in ("sum", "mean"):
         raise ValueError(f"reduce: unknown reduction {reduce!r}; choose 'sum' or 'mean'")
+    check_token_arrays(
+        "turn_log_ratio", logp=logp, old_logp=old_logp, loss_mask=loss_mask, turn_ids=turn_ids
+    )
     dtype = float_dtype(logp, old_logp)
     mask = jnp.asarray(loss_mask, bool).T
-    turns, _ = turn_structure_time_major(mask, jnp.asarray(turn_ids).T, method=method)
+    if turns is None:
+        turns, _ = turn_structure_time_major(mask, jnp.asarray(turn_ids).T, method=method)
+    else:
+        turns = turns.time_major()
     diff = jnp.where(mask, jnp.asarray(logp, dtype).T - jnp.asarray(old_logp, dtype).T, 0)
     if reduce == "mean":
         total, count = turn_sums_time_major([diff, mask.astype(dtype)], turns, method=method)
@@ -341,6 +371,7 @@ def group_advantages(
       >>> group_advantages([1.0, 0.0, 1.0, 0.0], [7, 7, 3, 3], scale="none").tolist()
       [0.5, -0.5, 0.5, -0.5]
     """
+    check_same_shape("group_advantages", 1, outcomes=outcomes, group_ids=group_ids)
     x = jnp.asarray(outcomes, float_dtype(outcomes))
     ids = jnp.asarray(group_ids)
     return _grouped_center_scale(x, [ids], jnp.ones(x.shape, bool), baseline, scale, eps)
@@ -374,6 +405,10 @@ def gigpo_advantages(
       [B, K] per-turn advantages, 0 where ``step_mask`` is False (broadcast to tokens with
       :func:`mpo_jax.batch.broadcast_turn_values`).
     """
+    check_same_shape(
+        "gigpo_advantages", 2, step_rewards=step_rewards, step_keys=step_keys, step_mask=step_mask
+    )
+    check_rows("gigpo_advantages", jnp.shape(step_mask)[0], group_ids=group_ids)
     dtype = float_dtype(step_rewards)
     mask = jnp.asarray(step_mask, bool)
     r = jnp.where(mask, jnp.asarray(step_rewards, dtype), 0)
@@ -425,6 +460,9 @@ def trace_turn_credit(
     """
     if not isinstance(horizon, int) or horizon < 1:
         raise ValueError(f"horizon: must be a Python int >= 1, got {horizon!r}")
+    check_same_shape(
+        "trace_turn_credit", 2, answer_logprobs=answer_logprobs, boundary_mask=boundary_mask
+    )
     dtype = float_dtype(answer_logprobs)
     mask = jnp.asarray(boundary_mask, bool)
     lp = jnp.where(mask, jnp.asarray(answer_logprobs, dtype), 0)
@@ -478,6 +516,15 @@ def trace_turn_advantages(
         raise ValueError(
             f"terminal_fill: unknown fill {terminal_fill!r}; choose one of {_TERMINAL_FILLS}"
         )
+    fn = "trace_turn_advantages"
+    check_token_arrays(fn, loss_mask=loss_mask, turn_ids=turn_ids)
+    check_rows(fn, jnp.shape(loss_mask)[0], outcome_advantages=outcome_advantages)
+    check_same_shape(fn, 2, boundary_mask=boundary_mask)
+    chex.assert_equal(
+        jnp.shape(turn_credit),
+        (jnp.shape(boundary_mask)[0], jnp.shape(boundary_mask)[1] - 1),
+        custom_message=f"{fn}: turn_credit must be [B, M - 1] for a boundary_mask of [B, M]",
+    )
     dtype = float_dtype(outcome_advantages, turn_credit)
     credit = jnp.asarray(turn_credit, dtype)
     mask = jnp.asarray(loss_mask, bool)
@@ -507,6 +554,7 @@ def masked_whiten(
     var is the unbiased (ddof = 1) variance of the masked entries, as in verl and TRL. With
     ``shift_mean=False`` the mean is added back (scale only). Off-mask entries are 0.
     """
+    check_same_shape("masked_whiten", None, x=x, mask=mask)
     dtype = float_dtype(x)
     x = jnp.asarray(x, dtype)
     m = jnp.asarray(mask, bool)

@@ -20,17 +20,19 @@ import jax
 import jax.numpy as jnp
 
 from mpo_jax import advantages as adv
-from mpo_jax.batch import (
-    TurnBatch,
+from mpo_jax.batch import TurnBatch
+from mpo_jax.losses import AGGREGATIONS, RATIO_LEVELS, kl_penalty
+from mpo_jax.segments import (
+    Turns,
     broadcast_trajectory_values,
     broadcast_turn_values,
     float_dtype,
     num_turns,
     place_on_turn_ends,
     trajectory_sums,
+    turn_structure,
     turn_sums_per_turn,
 )
-from mpo_jax.losses import AGGREGATIONS, RATIO_LEVELS, kl_penalty
 
 __all__ = [
     "Algorithm",
@@ -174,12 +176,14 @@ def _trace_credit(algo: Algorithm, batch: TurnBatch) -> jax.Array:
 
 class CreditInputs(NamedTuple):
     """What every estimator receives beside the preset and the batch: the action mask, the
-    rewards to credit (after a KL-in-reward) and their dtype, and whether returns are wanted."""
+    rewards to credit (after a KL-in-reward) and their dtype, whether returns are wanted, and the
+    turn structure, computed once per batch for every estimator that needs it."""
 
     mask: jax.Array
     rewards: jax.Array
     dtype: jnp.dtype
     need_returns: bool
+    turns: Turns  # the batch's turn structure, once (unused parts are dropped under jit)
 
 
 EstimatorFn = Callable[[Algorithm, TurnBatch, CreditInputs], Credit]
@@ -268,6 +272,7 @@ def _turn_gae(algo, batch, inputs):
             gamma=algo.gamma,
             lam=algo.lam,
             bootstrap_value=boot,
+            turns=inputs.turns,
         )
         return a
 
@@ -287,6 +292,7 @@ def _multiscale(algo, batch, inputs):
             lam_token=algo.lam_token,
             beta=algo.beta,
             bootstrap_value=boot,
+            turns=inputs.turns,
         )
 
     return _critic_credit(algo, batch, inputs, advantages)
@@ -299,7 +305,7 @@ register_estimator("multiscale", needs_critic=True)(_multiscale)
 def _mpo_trace(algo, batch, inputs):
     # TRACE's turn credit as dense rewards on each turn's last token, then MAE.
     credit = _trace_credit(algo, batch)
-    turn_rewards = place_on_turn_ends(credit, inputs.mask, batch.turn_ids)
+    turn_rewards = place_on_turn_ends(credit, inputs.mask, batch.turn_ids, turns=inputs.turns)
     rewards = inputs.rewards + algo.alpha_turn * turn_rewards.astype(inputs.dtype)
     return _multiscale(algo, batch, inputs._replace(rewards=rewards))
 
@@ -386,7 +392,8 @@ def compute_advantages(
         _require(algo, batch, "old_logp", "ref_logp")
         kl = kl_penalty(batch.old_logp, batch.ref_logp, mask, kind=algo.kl_kind)
         rewards = rewards - algo.kl_coef * kl.astype(dtype)
-    return spec.fn(algo, batch, CreditInputs(mask, rewards, dtype, bool(need_returns)))
+    turns = turn_structure(mask, batch.turn_ids)
+    return spec.fn(algo, batch, CreditInputs(mask, rewards, dtype, bool(need_returns), turns))
 
 
 def _spec(algo: Algorithm) -> EstimatorSpec:

@@ -1,25 +1,38 @@
-"""The padded turn-segment layout (docs/design.md §2), its host-side validation, segment helpers.
+"""The padded turn-segment layout (docs/design.md §2): the batch carrier and its validation.
 
 A batch holds B trajectories padded to T tokens. ``loss_mask`` marks the tokens the policy sampled;
 ``turn_ids`` numbers the assistant turns 0, 1, ..., K_b - 1 on those tokens and is -1 elsewhere.
 Turn boundaries come from ``turn_ids`` only, never from reward positions or runs of the mask, so an
 assistant turn may even contain non-sampled tokens (template tokens) without splitting.
 
-The segment helpers work in a time-major [T, B] layout internally: the estimators in
-``advantages`` transpose once, run every recursion over the leading axis and transpose back.
+This module is the schema (:class:`TurnBatch`, its fields once) and the host-side validator
+(:func:`validate`). The segment helpers that compute on the layout (turn starts and ends, turn
+sums and means, broadcasts) live in :mod:`mpo_jax.segments`; the public ones are re-exported here,
+where docs/design.md names the layout's API.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mpo_jax.scan import ScanMethod, linear_scans_time_major
+from mpo_jax.segments import (
+    Turns,
+    broadcast_trajectory_values,
+    broadcast_turn_values,
+    num_turns,
+    place_on_turn_ends,
+    trajectory_sums,
+    turn_end_mask,
+    turn_mean,
+    turn_start_mask,
+    turn_structure,
+    turn_sum,
+    turn_sums_per_turn,
+)
 
 __all__ = [
     "TurnBatch",
@@ -27,6 +40,9 @@ __all__ = [
     "pad_width",
     "pad_trailing",
     "validate",
+    # re-exported from mpo_jax.segments
+    "Turns",
+    "turn_structure",
     "turn_start_mask",
     "turn_end_mask",
     "turn_sum",
@@ -318,222 +334,3 @@ def validate(batch: TurnBatch, *, vocab_size: int | None = None) -> None:
         if missing.any():
             row, col = _first_bad_row(missing)
             raise ValueError(f"step_keys[{row}]: turn {col} has no state key (got a negative key)")
-
-
-# ----------------------------------------------------------------------------------------------
-# Segment helpers. Time-major internals first, [B, T] public wrappers below.
-# ----------------------------------------------------------------------------------------------
-
-
-class TurnStructure(NamedTuple):
-    """Where turns start and end, time-major [T, B] boolean arrays."""
-
-    mask: jax.Array
-    start: jax.Array
-    end: jax.Array
-
-
-def neighbour_action_values_time_major(
-    xs: list[jax.Array],
-    mask: jax.Array,
-    inits: list[jax.Array],
-    *,
-    reverse: bool,
-    method: ScanMethod = "sequential",
-) -> list[jax.Array]:
-    """For each x: its value at the nearest action token strictly after t (``reverse=True``) or
-    strictly before t (``reverse=False``); ``init`` where there is none. [T, B] in and out.
-
-    ``u_t = m_{t±1} x_{t±1} + (1 - m_{t±1}) u_{t±1}``: the recursion passes through observation
-    tokens, which is how every estimator here jumps over them. All xs share one loop.
-    """
-
-    def shifted(y, fill):
-        pad = jnp.full_like(y[:1], fill)
-        return jnp.concatenate([y[1:], pad] if reverse else [pad, y[:-1]], axis=0)
-
-    terms = []
-    for x, init in zip(xs, inits, strict=True):
-        m = mask.astype(x.dtype)
-        terms.append((shifted(jnp.where(mask, x, 0), 0), shifted(1 - m, 1), init))
-    return linear_scans_time_major(terms, method=method, reverse=reverse)
-
-
-def turn_structure_time_major(
-    loss_mask_tm: jax.Array,
-    turn_ids_tm: jax.Array,
-    *,
-    next_values: jax.Array | None = None,
-    bootstrap: jax.Array | None = None,
-    method: ScanMethod = "sequential",
-) -> tuple[TurnStructure, jax.Array | None]:
-    """First and last action token of each turn, from ``turn_ids`` alone ([T, B] inputs).
-
-    A token starts a turn when the previous action token has a different id; it ends a turn when
-    the next action token has a different id (or there is none). Optionally also returns, in the
-    same loop, the value of ``next_values`` at the next action token (``bootstrap`` after the
-    last), which every GAE-style estimator needs.
-    """
-    mask = loss_mask_tm.astype(bool)
-    ids = jnp.where(mask, turn_ids_tm, -1).astype(jnp.float32)  # exact below 2**24
-    batch = ids.shape[1:]
-    (before,) = neighbour_action_values_time_major(
-        [ids], mask, [jnp.full(batch, -1.0, jnp.float32)], reverse=False, method=method
-    )
-    xs, inits = [ids], [jnp.full(batch, -1.0, jnp.float32)]
-    if next_values is not None:
-        xs.append(next_values)
-        inits.append(bootstrap)
-    after = neighbour_action_values_time_major(xs, mask, inits, reverse=True, method=method)
-    turns = TurnStructure(mask=mask, start=mask & (ids != before), end=mask & (ids != after[0]))
-    return turns, (after[1] if next_values is not None else None)
-
-
-def turn_sums_time_major(
-    xs: list[jax.Array], turns: TurnStructure, *, method: ScanMethod = "sequential"
-) -> list[jax.Array]:
-    """For each x: ``Σ`` over each turn's action tokens, broadcast back to them ([T, B]).
-
-    A reverse sum cut at turn ends leaves each turn's total on its first token; a forward fill cut
-    at turn starts spreads it over the turn. Off-turn positions hold 0. All xs share two loops.
-    """
-    sums = []
-    for x in xs:
-        zero = jnp.zeros(x.shape[1:], x.dtype)
-        sums.append((jnp.where(turns.mask, x, 0), 1 - turns.end.astype(x.dtype), zero))
-    partials = linear_scans_time_major(sums, method=method)
-    fills = []
-    for p in partials:
-        start = turns.start.astype(p.dtype)
-        fills.append((start * p, 1 - start, jnp.zeros(p.shape[1:], p.dtype)))
-    filled = linear_scans_time_major(fills, method=method, reverse=False)
-    return [jnp.where(turns.mask, f, 0) for f in filled]
-
-
-def float_dtype(*arrays: Any) -> jnp.dtype:
-    """The float dtype the estimators compute in: at least float32, float64 when given and x64."""
-    dtypes = [jnp.asarray(a).dtype for a in arrays if a is not None]
-    dtype = jnp.result_type(*dtypes, jnp.float32)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        dtype = jnp.float32
-    return jax.dtypes.canonicalize_dtype(dtype)
-
-
-def _to_time_major(x: Any, dtype: Any = None) -> jax.Array:
-    return jnp.asarray(x, dtype).T
-
-
-def turn_start_mask(loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike) -> jax.Array:
-    """[B, T] bool: True on the first action token of every turn."""
-    s, _ = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
-    return s.start.T
-
-
-def turn_end_mask(loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike) -> jax.Array:
-    """[B, T] bool: True on the last action token of every turn."""
-    s, _ = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
-    return s.end.T
-
-
-def turn_sum(
-    x: jax.typing.ArrayLike,
-    loss_mask: jax.typing.ArrayLike,
-    turn_ids: jax.typing.ArrayLike,
-    *,
-    method: ScanMethod = "sequential",
-) -> jax.Array:
-    """[B, T]: ``Σ_{u ∈ S_k} x_u`` on every action token t of turn k (S_k: the turn's action
-    tokens); 0 off ``loss_mask``. Differentiable in ``x``."""
-    dtype = float_dtype(x)
-    s, _ = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
-    (total,) = turn_sums_time_major([_to_time_major(x, dtype)], s, method=method)
-    return total.T
-
-
-def turn_mean(
-    x: jax.typing.ArrayLike,
-    loss_mask: jax.typing.ArrayLike,
-    turn_ids: jax.typing.ArrayLike,
-    *,
-    method: ScanMethod = "sequential",
-) -> jax.Array:
-    """[B, T]: ``(1/|S_k|) Σ_{u ∈ S_k} x_u`` on every action token of turn k; 0 off the mask."""
-    dtype = float_dtype(x)
-    s, _ = turn_structure_time_major(_to_time_major(loss_mask), _to_time_major(turn_ids))
-    total, count = turn_sums_time_major(
-        [_to_time_major(x, dtype), s.mask.astype(dtype)], s, method=method
-    )
-    return jnp.where(s.mask, total / jnp.maximum(count, 1), 0).T
-
-
-def num_turns(loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike) -> jax.Array:
-    """[B] int32: K_b, the number of assistant turns of each trajectory (0 for padding rows)."""
-    ids = jnp.where(jnp.asarray(loss_mask, bool), jnp.asarray(turn_ids), -1)
-    return (jnp.max(ids, axis=-1, initial=-1) + 1).astype(jnp.int32)
-
-
-def broadcast_turn_values(
-    per_turn: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike
-) -> jax.Array:
-    """[B, T]: ``per_turn[b, turn_ids[b, t]]`` on action tokens, 0 elsewhere.
-
-    Args:
-      per_turn: [B, K] values, one per turn (turns at index >= K read 0).
-    """
-    per_turn = jnp.asarray(per_turn)
-    mask = jnp.asarray(loss_mask, bool)
-    ids = jnp.asarray(turn_ids)
-    k = per_turn.shape[-1]
-    if k == 0:
-        return jnp.zeros(mask.shape, per_turn.dtype)
-    inside = mask & (ids >= 0) & (ids < k)
-    picked = jnp.take_along_axis(per_turn, jnp.clip(ids, 0, k - 1), axis=-1)
-    return jnp.where(inside, picked, 0)
-
-
-def place_on_turn_ends(
-    per_turn: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike, turn_ids: jax.typing.ArrayLike
-) -> jax.Array:
-    """[B, T]: ``per_turn[b, k]`` on the last action token of turn k, 0 elsewhere.
-
-    The layout for dense turn rewards (docs/design.md §2): e.g. TRACE's turn credit fed to MAE.
-    """
-    ends = turn_end_mask(loss_mask, turn_ids)
-    return jnp.where(ends, broadcast_turn_values(per_turn, loss_mask, turn_ids), 0)
-
-
-def broadcast_trajectory_values(
-    per_trajectory: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike
-) -> jax.Array:
-    """[B, T]: ``per_trajectory[b]`` on every action token of row b, 0 elsewhere."""
-    mask = jnp.asarray(loss_mask, bool)
-    x = jnp.asarray(per_trajectory)
-    return jnp.where(mask, x[:, None], 0).astype(x.dtype)
-
-
-def trajectory_sums(x: jax.typing.ArrayLike, loss_mask: jax.typing.ArrayLike) -> jax.Array:
-    """[B]: ``Σ_t x_t`` over each row's action tokens (e.g. the outcome R_b from ``rewards``)."""
-    x = jnp.asarray(x, float_dtype(x))
-    return jnp.sum(jnp.where(jnp.asarray(loss_mask, bool), x, 0), axis=-1)
-
-
-def turn_sums_per_turn(
-    x: jax.typing.ArrayLike,
-    loss_mask: jax.typing.ArrayLike,
-    turn_ids: jax.typing.ArrayLike,
-    num_turns: int,
-) -> jax.Array:
-    """[B, K]: ``Σ_{t∈S_k} x_t`` for k < ``num_turns`` (a static int); turns beyond K are dropped.
-
-    E.g. per-turn rewards from token rewards (GiGPO's step rewards).
-    """
-    x = jnp.asarray(x, float_dtype(x))
-    mask = jnp.asarray(loss_mask, bool)
-    ids = jnp.asarray(turn_ids)
-    b = x.shape[0]
-    keep = mask & (ids >= 0) & (ids < num_turns)
-    segment = jnp.where(keep, jnp.arange(b)[:, None] * num_turns + ids, b * num_turns)
-    sums = jax.ops.segment_sum(
-        jnp.where(keep, x, 0).reshape(-1), segment.reshape(-1), num_segments=b * num_turns + 1
-    )
-    return sums[:-1].reshape(b, num_turns)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mpo_jax.batch import float_dtype, turn_end_mask, turn_mean
+from mpo_jax.segments import float_dtype, turn_end_mask, turn_mean
 
 __all__ = [
     "turn_variance_fraction",

@@ -13,7 +13,15 @@ import jax
 import jax.numpy as jnp
 
 from mpo_jax.advantages import turn_log_ratio
-from mpo_jax.batch import float_dtype, num_turns, turn_end_mask, turn_sum
+from mpo_jax.segments import (
+    Turns,
+    check_same_shape,
+    check_token_arrays,
+    float_dtype,
+    num_turns,
+    turn_structure,
+    turn_sum,
+)
 
 __all__ = [
     "AGGREGATIONS",
@@ -38,6 +46,7 @@ def aggregate(
     turn_ids: ArrayLike | None = None,
     *,
     mode: Aggregation = "token_mean",
+    turns: Turns | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Aggregates a per-token loss into ``(sum, count)``; the loss is ``sum / count``.
 
@@ -49,9 +58,11 @@ def aggregate(
     * ``turn_mean_token_mean``: sum = Σ_{b,k} (Σ_{t∈S_k} ℓ / |S_k|), count = number of turns.
 
     Each count is a sum over rows, so per-micro-batch counts add up to the full batch's count.
+    ``turns`` (:func:`mpo_jax.segments.turn_structure`) skips recomputing the turn structure.
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"aggregation: unknown mode {mode!r}; choose one of {AGGREGATIONS}")
+    check_token_arrays("aggregate", per_token=per_token, loss_mask=loss_mask, turn_ids=turn_ids)
     x = jnp.asarray(per_token)
     mask = jnp.asarray(loss_mask, bool)
     x = jnp.where(mask, x, 0)
@@ -66,17 +77,17 @@ def aggregate(
         return jnp.sum(x), rows
     if turn_ids is None:
         raise ValueError("turn_ids: required by aggregation 'turn_mean_token_mean'")
-    turn_size = turn_sum(mask.astype(dtype), mask, turn_ids)
+    turn_size = turn_sum(mask.astype(dtype), mask, turn_ids, turns=turns)
     total = jnp.sum(jnp.where(mask, x / jnp.maximum(turn_size, 1), 0))
     return total, jnp.sum(num_turns(mask, turn_ids)).astype(dtype)
 
 
-def _ratio_log(logp, old_logp, loss_mask, turn_ids, level, reduce):
+def _ratio_log(logp, old_logp, loss_mask, turn_ids, level, reduce, turns):
     """The log-ratio L of the chosen level, broadcast to tokens (not yet stop-gradiented)."""
     if level == "token":
         return jnp.where(loss_mask, logp - old_logp, 0)
     if level == "turn":
-        return turn_log_ratio(logp, old_logp, loss_mask, turn_ids, reduce=reduce)
+        return turn_log_ratio(logp, old_logp, loss_mask, turn_ids, reduce=reduce, turns=turns)
     diff = jnp.where(loss_mask, logp - old_logp, 0)
     total = jnp.sum(diff, axis=-1, keepdims=True)
     if reduce == "mean":
@@ -99,6 +110,7 @@ def policy_loss(
     log_ratio_clamp: float = 20.0,
     aggregation: Aggregation = "token_mean",
     normalizer: ArrayLike | None = None,
+    turns: Turns | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped surrogate with the importance ratio at token, turn or sequence level.
 
@@ -122,6 +134,8 @@ def policy_loss(
       aggregation: see :func:`aggregate`.
       normalizer: divide the summed loss by this instead of the batch's own count (pass the full
         batch's count when accumulating micro-batches).
+      turns: the batch's turn structure (:func:`mpo_jax.segments.turn_structure`); computed here,
+        once, when not given, and shared by the ratio, the aggregation and the clip metrics.
 
     Returns:
       (loss, metrics): metrics hold ``loss_sum``, ``loss_count``, ``clip_frac`` (tokens),
@@ -140,13 +154,23 @@ def policy_loss(
         )
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip: must be > 1 (or None), got {dual_clip}")
+    check_token_arrays(
+        "policy_loss",
+        logp=logp,
+        old_logp=old_logp,
+        advantages=advantages,
+        loss_mask=loss_mask,
+        turn_ids=turn_ids,
+    )
     dtype = float_dtype(logp, old_logp, advantages)
     mask = jnp.asarray(loss_mask, bool)
     logp = jnp.where(mask, jnp.asarray(logp, dtype), 0)
     old = jnp.where(mask, jnp.asarray(old_logp, dtype), 0)
     adv = jnp.where(mask, jnp.asarray(advantages, dtype), 0)
+    if turns is None:
+        turns = turn_structure(mask, turn_ids)
 
-    log_ratio = _ratio_log(logp, old, mask, turn_ids, ratio_level, ratio_reduce)
+    log_ratio = _ratio_log(logp, old, mask, turn_ids, ratio_level, ratio_reduce, turns)
     log_ratio = jnp.clip(jax.lax.stop_gradient(log_ratio), -log_ratio_clamp, log_ratio_clamp)
     ratio = jnp.exp(log_ratio + logp - jax.lax.stop_gradient(logp))
     unclipped = -ratio * adv
@@ -158,13 +182,13 @@ def policy_loss(
         bound = -dual_clip * adv
         dual = mask & (adv < 0) & (per_token > bound)
         per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)
-    total, count = aggregate(per_token, mask, turn_ids, mode=aggregation)
+    total, count = aggregate(per_token, mask, turn_ids, mode=aggregation, turns=turns)
     denom = count if normalizer is None else jnp.asarray(normalizer, dtype)
     loss = total / jnp.maximum(denom, 1e-8)
 
     n_tok = jnp.maximum(jnp.sum(mask), 1)
-    ends = turn_end_mask(mask, turn_ids)
-    clipped_turns = turn_sum(is_clipped.astype(dtype), mask, turn_ids) > 0
+    ends = turns.end
+    clipped_turns = turn_sum(is_clipped.astype(dtype), mask, turn_ids, turns=turns) > 0
     token_log_ratio = logp - old
     value_ratio = jax.lax.stop_gradient(ratio)
     metrics = {
@@ -192,12 +216,21 @@ def value_loss(
     clip: float | None = 0.2,
     aggregation: Aggregation = "token_mean",
     normalizer: ArrayLike | None = None,
+    turns: Turns | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Clipped squared error of the critic to its targets over ``loss_mask`` tokens.
 
     ``ℓ_t = ½ max((V_t - G_t)², (V_old,t + clip(V_t - V_old,t, ±c) - G_t)²)``; ``clip=None`` is the
     plain ½ (V - G)². Returns (loss, metrics with ``loss_sum``, ``loss_count``, ``clip_frac``).
     """
+    check_token_arrays(
+        "value_loss",
+        values=values,
+        old_values=old_values,
+        returns=returns,
+        loss_mask=loss_mask,
+        turn_ids=turn_ids,
+    )
     dtype = float_dtype(values, old_values, returns)
     mask = jnp.asarray(loss_mask, bool)
     v = jnp.where(mask, jnp.asarray(values, dtype), 0)
@@ -212,7 +245,7 @@ def value_loss(
         err_clip = (v_clip - g) ** 2
         per_token = 0.5 * jnp.maximum(err, err_clip)
         clipped_frac = jnp.sum(mask & (err_clip > err)) / jnp.maximum(jnp.sum(mask), 1)
-    total, count = aggregate(per_token, mask, turn_ids, mode=aggregation)
+    total, count = aggregate(per_token, mask, turn_ids, mode=aggregation, turns=turns)
     denom = count if normalizer is None else jnp.asarray(normalizer, dtype)
     loss = total / jnp.maximum(denom, 1e-8)
     return loss, {"loss_sum": total, "loss_count": count, "clip_frac": clipped_frac}
@@ -240,6 +273,7 @@ def kl_penalty(
     """
     if kind not in KL_KINDS:
         raise ValueError(f"kind: unknown KL estimator {kind!r}; choose one of {KL_KINDS}")
+    check_same_shape("kl_penalty", None, logp=logp, ref_logp=ref_logp, loss_mask=loss_mask)
     dtype = float_dtype(logp, ref_logp)
     mask = jnp.asarray(loss_mask, bool)
     x = jnp.where(mask, jnp.asarray(logp, dtype) - jnp.asarray(ref_logp, dtype), 0)

@@ -175,32 +175,3 @@ def test_step_keys_rules():
 # ------------------------------------------------------------------------------------------------
 # Segment helpers
 # ------------------------------------------------------------------------------------------------
-
-M = np.array([[0, 1, 1, 0, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0]], bool)
-T = np.array([[-1, 0, 0, -1, 1, -1, 1, 2], [-1] * 8], np.int32)  # turn 1 spans a template token
-
-
-def test_turn_start_and_end_masks():
-    np.testing.assert_array_equal(B.turn_start_mask(M, T)[0], [0, 1, 0, 0, 1, 0, 0, 1])
-    np.testing.assert_array_equal(B.turn_end_mask(M, T)[0], [0, 0, 1, 0, 0, 0, 1, 1])
-    assert not np.any(B.turn_start_mask(M, T)[1])
-
-
-def test_turn_sum_mean_and_counts():
-    x = np.arange(8.0)[None].repeat(2, 0)
-    np.testing.assert_allclose(B.turn_sum(x, M, T)[0], [0, 3, 3, 0, 10, 0, 10, 7])
-    np.testing.assert_allclose(B.turn_mean(x, M, T)[0], [0, 1.5, 1.5, 0, 5, 0, 5, 7])
-    np.testing.assert_array_equal(B.num_turns(M, T), [3, 0])
-
-
-def test_turn_value_placement():
-    per_turn = np.array([[10.0, 20.0, 30.0], [1.0, 2.0, 3.0]])
-    np.testing.assert_allclose(
-        B.broadcast_turn_values(per_turn, M, T)[0], [0, 10, 10, 0, 20, 0, 20, 30]
-    )
-    np.testing.assert_allclose(B.place_on_turn_ends(per_turn, M, T)[0], [0, 0, 10, 0, 0, 0, 20, 30])
-    np.testing.assert_allclose(B.broadcast_turn_values(per_turn, M, T)[1], 0)
-    np.testing.assert_allclose(
-        B.broadcast_trajectory_values(np.array([2.0, 3.0]), M)[0], [0, 2, 2, 0, 2, 0, 2, 2]
-    )
-    np.testing.assert_allclose(B.trajectory_sums(np.ones((2, 8)), M), [5, 0])
