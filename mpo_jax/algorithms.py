@@ -36,6 +36,15 @@ from mpo_jax.segments import (
 
 __all__ = [
     "Algorithm",
+    "GAE",
+    "Multiscale",
+    "Critic",
+    "Group",
+    "Trace",
+    "GiGPO",
+    "FAMILIES",
+    "LEGACY_OVERRIDES",
+    "kwargs_of",
     "Credit",
     "PRESETS",
     "get",
@@ -45,18 +54,110 @@ __all__ = [
 ]
 
 
+# -- the families' settings: each field is named as the argument it feeds ----------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GAE:
+    """Token and turn GAE (:func:`~mpo_jax.advantages.token_gae`, ``turn_gae``): γ = 1 and
+    λ = 0.95 are ours, the usual choice for LLM agents."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class Multiscale:
+    """MPO's MAE (:func:`~mpo_jax.advantages.multiscale_advantages`)."""
+
+    gamma_turn: float = 1.0
+    lam_turn: float = 0.95
+    gamma_token: float = 1.0
+    lam_token: float = 0.95
+    beta: float = 0.5  # ours: the MPO paper reports β = 0 costs 6.28 points, not its default
+
+
+@dataclasses.dataclass(frozen=True)
+class Critic:
+    """The critic's targets (token-GAE returns, :func:`~mpo_jax.advantages.token_gae`'s
+    ``gamma``/``lam``) and its loss (:func:`~mpo_jax.losses.value_loss`'s ``clip``)."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip: float | None = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Group outcome advantages (:func:`~mpo_jax.advantages.group_advantages`)."""
+
+    baseline: Literal["mean", "leave_one_out", "loo"] = "mean"
+    scale: Literal["std", "none"] = "std"
+    eps: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """TRACE (paper defaults): :func:`~mpo_jax.advantages.trace_turn_credit`'s ``eps``,
+    ``horizon``, ``gamma``, ``normalize`` and :func:`~mpo_jax.advantages.trace_turn_advantages`'s
+    ``alpha_out``, ``alpha_turn``, ``terminal_fill``."""
+
+    eps: float = 0.1
+    horizon: int = 3
+    gamma: float = 0.8
+    normalize: bool = True
+    alpha_out: float = 1.0
+    alpha_turn: float = 0.2
+    terminal_fill: Literal["zero", "last"] = "zero"
+
+    def credit_kwargs(self) -> dict:
+        return dict(eps=self.eps, horizon=self.horizon, gamma=self.gamma, normalize=self.normalize)
+
+    def advantage_kwargs(self) -> dict:
+        return dict(
+            alpha_out=self.alpha_out, alpha_turn=self.alpha_turn, terminal_fill=self.terminal_fill
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GiGPO:
+    """GiGPO (paper defaults; :func:`~mpo_jax.advantages.gigpo_advantages`)."""
+
+    gamma: float = 0.95
+    omega: float = 1.0
+    scale: Literal["std", "none"] = "std"
+    eps: float = 1e-6
+
+
+FAMILIES: dict[str, type] = {
+    "gae": GAE,
+    "multiscale": Multiscale,
+    "critic": Critic,
+    "group": Group,
+    "trace": Trace,
+    "gigpo": GiGPO,
+}
+
+
+def kwargs_of(config) -> dict:
+    """A family's settings as keyword arguments of the function it configures."""
+    return dataclasses.asdict(config)
+
+
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
     """One algorithm: credit assignment plus the settings of its clipped update.
 
-    GAE family (critic): ``gamma``/``lam`` for token and turn GAE; MAE adds ``gamma_token``,
-    ``lam_token``, ``beta``; the critic's targets are token-GAE returns with ``critic_lam``.
-    Group family: ``baseline`` ("mean" or "leave_one_out", alias "loo") and ``scale`` ("std" or
-    "none").
-    TRACE: ``trace_eps``, ``trace_horizon``, ``trace_gamma``, ``trace_normalize``, ``alpha_out``,
-    ``alpha_turn``, ``terminal_fill``. GiGPO: ``gigpo_gamma``, ``gigpo_omega``.
-    KL to the reference: ``kl_coef`` with estimator ``kl_kind``, as a loss term or, with
-    ``kl_in_reward``, subtracted from the rewards before credit assignment.
+    The credit settings live in one config per estimator family (:data:`FAMILIES`), each field
+    named as the argument it feeds (``algo.multiscale.beta`` is ``multiscale_advantages(beta=)``),
+    so an estimator passes ``**kwargs_of(algo.multiscale)``. The update's settings (ratio level,
+    clip range, aggregation) are :func:`mpo_jax.losses.policy_loss`'s arguments. KL to the
+    reference: ``kl_coef`` with estimator ``kl_kind``, as a loss term or, with ``kl_in_reward``,
+    subtracted from the rewards before credit assignment.
+
+    Override with :func:`get`: ``get("mpo", beta=0.3)`` (a name that only one family has) or
+    ``get("mpo", **{"critic.lam": 1.0})`` (``family.field``, needed for ``gamma``, ``lam``,
+    ``eps``, ``scale``, which several families have).
     """
 
     name: str
@@ -67,29 +168,12 @@ class Algorithm:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
-    # GAE family (γ = 1 and λ = 0.95 are ours: the usual choice for LLM agents).
-    gamma: float = 1.0
-    lam: float = 0.95
-    gamma_token: float = 1.0
-    lam_token: float = 0.95
-    beta: float = 0.5  # ours: the MPO paper reports β = 0 costs 6.28 points, not its default
-    critic_lam: float = 0.95
-    value_clip: float | None = 0.2
-    # Group family.
-    baseline: Literal["mean", "leave_one_out", "loo"] = "mean"
-    scale: Literal["std", "none"] = "std"
-    group_eps: float = 1e-6
-    # TRACE (paper defaults).
-    trace_eps: float = 0.1
-    trace_horizon: int = 3
-    trace_gamma: float = 0.8
-    trace_normalize: bool = True
-    alpha_out: float = 1.0
-    alpha_turn: float = 0.2
-    terminal_fill: Literal["zero", "last"] = "zero"
-    # GiGPO (paper defaults).
-    gigpo_gamma: float = 0.95
-    gigpo_omega: float = 1.0
+    gae: GAE = GAE()
+    multiscale: Multiscale = Multiscale()
+    critic: Critic = Critic()
+    group: Group = Group()
+    trace: Trace = Trace()
+    gigpo: GiGPO = GiGPO()
     # KL to the reference policy.
     kl_coef: float = 0.0
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
@@ -100,9 +184,10 @@ class Algorithm:
             ("estimator", self.estimator, tuple(sorted(ESTIMATOR_REGISTRY))),
             ("ratio_level", self.ratio_level, RATIO_LEVELS),
             ("aggregation", self.aggregation, AGGREGATIONS),
-            ("baseline", self.baseline, ("mean", "leave_one_out", "loo")),
-            ("scale", self.scale, ("std", "none")),
-            ("terminal_fill", self.terminal_fill, ("zero", "last")),
+            ("group.baseline", self.group.baseline, ("mean", "leave_one_out", "loo")),
+            ("group.scale", self.group.scale, ("std", "none")),
+            ("gigpo.scale", self.gigpo.scale, ("std", "none")),
+            ("trace.terminal_fill", self.trace.terminal_fill, ("zero", "last")),
             ("kl_kind", self.kl_kind, ("k1", "k2", "k3")),
         ]
         for field, value, valid in checks:
@@ -112,8 +197,8 @@ class Algorithm:
             raise ValueError(f"{self.name}: ratio_reduce={self.ratio_reduce!r} is not sum/mean")
         if not (self.clip_low >= 0 and self.clip_high >= 0):
             raise ValueError(f"{self.name}: clip_low and clip_high must be >= 0")
-        if not isinstance(self.trace_horizon, int) or self.trace_horizon < 1:
-            raise ValueError(f"{self.name}: trace_horizon must be an int >= 1")
+        if not isinstance(self.trace.horizon, int) or self.trace.horizon < 1:
+            raise ValueError(f"{self.name}: trace.horizon must be an int >= 1")
 
     @property
     def needs_critic(self) -> bool:
@@ -162,12 +247,7 @@ def _trace_credit(algo: Algorithm, batch: TurnBatch) -> jax.Array:
     """TRACE's per-turn credit [B, M-1] with the preset's settings."""
     _require(algo, batch, "boundary_mask", "answer_logprobs")
     return adv.trace_turn_credit(
-        batch.answer_logprobs,
-        batch.boundary_mask,
-        eps=algo.trace_eps,
-        horizon=algo.trace_horizon,
-        gamma=algo.trace_gamma,
-        normalize=algo.trace_normalize,
+        batch.answer_logprobs, batch.boundary_mask, **algo.trace.credit_kwargs()
     )
 
 
@@ -234,7 +314,7 @@ def _bootstrap(batch: TurnBatch):
 
 def _critic_credit(algo: Algorithm, batch: TurnBatch, inputs: CreditInputs, advantages_fn):
     """The critic family's common part: the critic's targets (PPO's token-GAE returns with
-    ``critic_lam``, whatever the actor's credit) and the actor's advantages."""
+    ``algo.critic``'s γ and λ, whatever the actor's credit) and the actor's advantages."""
     _require(algo, batch, "values")
     boot = _bootstrap(batch)
     returns = None
@@ -243,8 +323,8 @@ def _critic_credit(algo: Algorithm, batch: TurnBatch, inputs: CreditInputs, adva
             inputs.rewards,
             batch.values,
             inputs.mask,
-            gamma=algo.gamma,
-            lam=algo.critic_lam,
+            gamma=algo.critic.gamma,
+            lam=algo.critic.lam,
             bootstrap_value=boot,
         )
     return Credit(advantages_fn(inputs.rewards, boot), returns, inputs.rewards)
@@ -254,7 +334,7 @@ def _critic_credit(algo: Algorithm, batch: TurnBatch, inputs: CreditInputs, adva
 def _token_gae(algo, batch, inputs):
     def advantages(rewards, boot):
         a, _ = adv.token_gae(
-            rewards, batch.values, inputs.mask, gamma=algo.gamma, lam=algo.lam, bootstrap_value=boot
+            rewards, batch.values, inputs.mask, bootstrap_value=boot, **kwargs_of(algo.gae)
         )
         return a
 
@@ -269,10 +349,9 @@ def _turn_gae(algo, batch, inputs):
             batch.values,
             inputs.mask,
             batch.turn_ids,
-            gamma=algo.gamma,
-            lam=algo.lam,
             bootstrap_value=boot,
             turns=inputs.turns,
+            **kwargs_of(algo.gae),
         )
         return a
 
@@ -286,13 +365,9 @@ def _multiscale(algo, batch, inputs):
             batch.values,
             inputs.mask,
             batch.turn_ids,
-            gamma_turn=algo.gamma,
-            lam_turn=algo.lam,
-            gamma_token=algo.gamma_token,
-            lam_token=algo.lam_token,
-            beta=algo.beta,
             bootstrap_value=boot,
             turns=inputs.turns,
+            **kwargs_of(algo.multiscale),
         )
 
     return _critic_credit(algo, batch, inputs, advantages)
@@ -306,7 +381,7 @@ def _mpo_trace(algo, batch, inputs):
     # TRACE's turn credit as dense rewards on each turn's last token, then MAE.
     credit = _trace_credit(algo, batch)
     turn_rewards = place_on_turn_ends(credit, inputs.mask, batch.turn_ids, turns=inputs.turns)
-    rewards = inputs.rewards + algo.alpha_turn * turn_rewards.astype(inputs.dtype)
+    rewards = inputs.rewards + algo.trace.alpha_turn * turn_rewards.astype(inputs.dtype)
     return _multiscale(algo, batch, inputs._replace(rewards=rewards))
 
 
@@ -314,9 +389,7 @@ def _outcome(algo, batch, inputs):
     return adv.group_advantages(
         trajectory_sums(inputs.rewards, inputs.mask),
         batch.group_ids,
-        baseline=algo.baseline,
-        scale=algo.scale,
-        eps=algo.group_eps,
+        **kwargs_of(algo.group),
     )
 
 
@@ -338,10 +411,7 @@ def _gigpo(algo, batch, inputs):
         keys,
         step_mask,
         batch.group_ids,
-        gamma=algo.gigpo_gamma,
-        omega=algo.gigpo_omega,
-        scale=algo.scale,
-        eps=algo.group_eps,
+        **kwargs_of(algo.gigpo),
     )
     advantages = broadcast_turn_values(per_turn, inputs.mask, batch.turn_ids)
     return Credit(advantages, None, inputs.rewards)
@@ -355,9 +425,7 @@ def _trace(algo, batch, inputs):
         batch.boundary_mask,
         inputs.mask,
         batch.turn_ids,
-        alpha_out=algo.alpha_out,
-        alpha_turn=algo.alpha_turn,
-        terminal_fill=algo.terminal_fill,
+        **algo.trace.advantage_kwargs(),
     )
     return Credit(advantages, None, inputs.rewards)
 
@@ -414,8 +482,8 @@ PRESETS: dict[str, Algorithm] = {
         Algorithm("turn_ppo", "turn_gae"),
         Algorithm("mpo", "multiscale", ratio_level="turn"),
         Algorithm("grpo", "group", aggregation="seq_mean_token_mean"),
-        Algorithm("dr_grpo", "group", scale="none", aggregation="seq_mean_token_sum"),
-        Algorithm("rloo", "group", baseline="leave_one_out", scale="none"),
+        Algorithm("dr_grpo", "group", group=Group(scale="none"), aggregation="seq_mean_token_sum"),
+        Algorithm("rloo", "group", group=Group(baseline="leave_one_out", scale="none")),
         # GSPO: sequence ratio, length-normalised, with its much tighter clip range.
         Algorithm(
             "gspo",
@@ -433,12 +501,65 @@ PRESETS: dict[str, Algorithm] = {
 }
 
 
+# Flat names of the settings before the families existed, mapped to every setting they fed, so a
+# saved config.json or an old --algo-set keeps its meaning.
+LEGACY_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "gamma": ("gae.gamma", "multiscale.gamma_turn", "critic.gamma"),
+    "lam": ("gae.lam", "multiscale.lam_turn"),
+    "scale": ("group.scale", "gigpo.scale"),
+    "group_eps": ("group.eps", "gigpo.eps"),
+    "critic_lam": ("critic.lam",),
+    "value_clip": ("critic.clip",),
+    "trace_eps": ("trace.eps",),
+    "trace_horizon": ("trace.horizon",),
+    "trace_gamma": ("trace.gamma",),
+    "trace_normalize": ("trace.normalize",),
+    "gigpo_gamma": ("gigpo.gamma",),
+    "gigpo_omega": ("gigpo.omega",),
+}
+
+
+def _setting_paths() -> dict[str, tuple[str, ...]]:
+    """Every name an override may use -> the settings it sets (``field`` or ``family.field``)."""
+    paths: dict[str, list[str]] = {}
+    for f in dataclasses.fields(Algorithm):
+        if f.name in FAMILIES:
+            for g in dataclasses.fields(FAMILIES[f.name]):
+                path = f"{f.name}.{g.name}"
+                paths[path] = [path]
+                paths.setdefault(g.name, []).append(path)
+        paths.setdefault(f.name, []).append(f.name)
+    out = {k: tuple(v) for k, v in paths.items()}
+    out.update(LEGACY_OVERRIDES)
+    return out
+
+
 def get(name: str, **overrides) -> Algorithm:
-    """The preset ``name`` with ``overrides`` applied; unknown names list the valid ones."""
+    """The preset ``name`` with ``overrides`` applied; unknown names list the valid ones.
+
+    A key is a top-level field (``clip_high``), ``family.field`` (``critic.lam``), a field name
+    only one family has (``beta`` = ``multiscale.beta``) or a name of :data:`LEGACY_OVERRIDES`.
+    A name several families share (``eps``) must be written ``family.field``.
+    """
     if name not in PRESETS:
         raise ValueError(f"preset: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    fields = {f.name for f in dataclasses.fields(Algorithm)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"{name}: unknown setting(s) {unknown}; valid: {sorted(fields)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    paths = _setting_paths()
+    top: dict[str, object] = {}
+    families: dict[str, dict[str, object]] = {}
+    for key, value in overrides.items():
+        if key not in paths:
+            valid = sorted(k for k in paths if "." in k or len(paths[k]) == 1)
+            raise ValueError(f"{name}: unknown setting {key!r}; valid: {valid}")
+        if len(paths[key]) > 1 and key not in LEGACY_OVERRIDES:
+            raise ValueError(
+                f"{name}: setting {key!r} is ambiguous; write one of {list(paths[key])}"
+            )
+        for path in paths[key]:
+            family, _, field = path.rpartition(".")
+            if family:
+                families.setdefault(family, {})[field] = value
+            else:
+                top[field] = value
+    algo = dataclasses.replace(PRESETS[name], **top)
+    changed = {f: dataclasses.replace(getattr(algo, f), **kv) for f, kv in families.items()}
+    return dataclasses.replace(algo, **changed)

@@ -29,22 +29,88 @@ import jax.numpy as jnp
 __all__ = ["token_gae_loop", "turn_credit_loop"]
 
 
+# The loop bodies are module-level functions with the hyperparameters in the carry (not closed
+# over), so eager calls with equal shapes reuse one compiled loop whatever γ, λ and β are.
+
+
+def _gae_step(carry, x):
+    (gamma, gamma_lam), v_next, a_next = carry
+    r_t, v_t, m_t = x
+    a_t = r_t + gamma * v_next - v_t + gamma_lam * a_next
+    carry = ((gamma, gamma_lam), jnp.where(m_t, v_t, v_next), jnp.where(m_t, a_t, a_next))
+    return carry, jnp.where(m_t, a_t, 0)
+
+
 def token_gae_loop(r, v, mask, boot, *, gamma, lam):
     """Token GAE over action tokens, [T, B] in, advantages [T, B] out (0 off ``mask``).
 
     Reverse over t: on an action token ``A_t = r_t + γ V_next - V_t + γλ A_next`` and then
     ``V_next, A_next = V_t, A_t``; observation tokens leave the carry as it is.
     """
-
-    def step(carry, x):
-        v_next, a_next = carry
-        r_t, v_t, m_t = x
-        a_t = r_t + gamma * v_next - v_t + gamma * lam * a_next
-        carry = (jnp.where(m_t, v_t, v_next), jnp.where(m_t, a_t, a_next))
-        return carry, jnp.where(m_t, a_t, 0)
-
-    _, adv = jax.lax.scan(step, (boot, jnp.zeros_like(boot)), (r, v, mask), reverse=True)
+    params = (jnp.asarray(gamma, v.dtype), jnp.asarray(gamma * lam, v.dtype))
+    init = (params, boot, jnp.zeros_like(boot))
+    _, adv = jax.lax.scan(_gae_step, init, (r, v, mask), reverse=True)
     return adv
+
+
+def _close_turn(params, state):
+    """(A_k, c_k = A_k - β mean(trace), G_k = A_k + V_{s_k}) of the turn the state has read."""
+    gamma_turn, gamma_lam_turn, _, _, beta = params
+    _, v_next, v_next_turn, a_next_turn, _, r_sum, tr_sum, count = state
+    a_k = r_sum + gamma_turn * v_next_turn - v_next + gamma_lam_turn * a_next_turn
+    return a_k, a_k - beta * tr_sum / jnp.maximum(count, 1), a_k + v_next
+
+
+def _turn_step(carry, x, *, trace_on):
+    params, state = carry
+    gamma_turn, _, gamma_token, gamma_lam_token, _ = params
+    r_t, v_t, m_t, id_t = x
+    cur, v_next, v_next_turn, a_next_turn, a_trace, r_sum, tr_sum, count = state
+    is_end = m_t & (id_t != cur)
+    emit = is_end & (cur >= 0)
+    a_k, c_k, g_k = _close_turn(params, state)
+    a_next_turn = jnp.where(emit, a_k, a_next_turn)
+    v_next_turn = jnp.where(emit, v_next, v_next_turn)
+    r_sum, tr_sum, count = (jnp.where(is_end, 0, x) for x in (r_sum, tr_sum, count))
+    if trace_on:
+        nxt = jnp.where(is_end, v_next_turn, v_next)
+        gam = jnp.where(is_end, gamma_turn, gamma_token)
+        a_t = r_t + gam * nxt - v_t + jnp.where(is_end, 0, gamma_lam_token) * a_trace
+        a_trace = jnp.where(m_t, a_t, a_trace)
+        tr_sum = jnp.where(m_t, tr_sum + a_t, tr_sum)
+        count = jnp.where(m_t, count + 1, count)
+        trace_t = jnp.where(m_t, a_t, 0)
+    else:
+        trace_t = jnp.zeros_like(v_t)
+    r_sum = jnp.where(m_t, r_sum + r_t, r_sum)
+    state = (
+        jnp.where(m_t, id_t, cur),
+        jnp.where(m_t, v_t, v_next),
+        v_next_turn,
+        a_next_turn,
+        a_trace,
+        r_sum,
+        tr_sum,
+        count,
+    )
+    return (params, state), (trace_t, emit, c_k, g_k)
+
+
+def _turn_step_with_trace(carry, x):
+    return _turn_step(carry, x, trace_on=True)
+
+
+def _turn_step_without_trace(carry, x):
+    return _turn_step(carry, x, trace_on=False)
+
+
+def _spread_step(carry, x):
+    # carry: (β, (c_k, G_k) of the turn being written); the next turn's arrive at its last token.
+    beta, (fill_c, fill_g) = carry
+    trace_t, m_t, emit_t, c_t, g_t = x
+    out = (jnp.where(m_t, fill_c + beta * trace_t, 0), jnp.where(m_t, fill_g, 0))
+    fill = (jnp.where(emit_t, c_t, fill_c), jnp.where(emit_t, g_t, fill_g))
+    return (beta, fill), out
 
 
 def turn_credit_loop(
@@ -67,57 +133,20 @@ def turn_credit_loop(
     ``jax.jit`` an unused output is dropped from the loop).
     """
     trace_on = not (isinstance(beta, int | float) and beta == 0)
+    dtype = v.dtype
+    params = tuple(
+        jnp.asarray(x, dtype)
+        for x in (gamma_turn, gamma_turn * lam_turn, gamma_token, gamma_token * lam_token, beta)
+    )
     zero = jnp.zeros_like(boot)
-
-    def close(state):
-        cur, v_next, v_next_turn, a_next_turn, _, r_sum, tr_sum, count = state
-        a_k = r_sum + gamma_turn * v_next_turn - v_next + gamma_turn * lam_turn * a_next_turn
-        c_k = a_k - beta * tr_sum / jnp.maximum(count, 1) if trace_on else a_k
-        return a_k, c_k, a_k + v_next  # v_next is V_{s_k} here: the turn's first token
-
-    def step(state, x):
-        r_t, v_t, m_t, id_t = x
-        cur, v_next, v_next_turn, a_next_turn, a_trace, r_sum, tr_sum, count = state
-        is_end = m_t & (id_t != cur)
-        emit = is_end & (cur >= 0)
-        a_k, c_k, g_k = close(state)
-        a_next_turn = jnp.where(emit, a_k, a_next_turn)
-        v_next_turn = jnp.where(emit, v_next, v_next_turn)
-        r_sum, tr_sum, count = (jnp.where(is_end, 0, s) for s in (r_sum, tr_sum, count))
-        if trace_on:
-            nxt = jnp.where(is_end, v_next_turn, v_next)
-            gam = jnp.where(is_end, gamma_turn, gamma_token)
-            a_t = r_t + gam * nxt - v_t + jnp.where(is_end, 0, gamma_token * lam_token) * a_trace
-            a_trace = jnp.where(m_t, a_t, a_trace)
-            tr_sum = jnp.where(m_t, tr_sum + a_t, tr_sum)
-            count = jnp.where(m_t, count + 1, count)
-            trace_t = jnp.where(m_t, a_t, 0)
-        else:
-            trace_t = zero
-        r_sum = jnp.where(m_t, r_sum + r_t, r_sum)
-        state = (
-            jnp.where(m_t, id_t, cur),
-            jnp.where(m_t, v_t, v_next),
-            v_next_turn,
-            a_next_turn,
-            a_trace,
-            r_sum,
-            tr_sum,
-            count,
-        )
-        return state, (trace_t, emit, c_k, g_k)
-
     ids = jnp.where(mask, turn_ids, -1).astype(jnp.int32)
-    init = (jnp.full(boot.shape, -1, jnp.int32), zero, boot, zero, zero, zero, zero, zero)
-    final, (trace, emit, c, g) = jax.lax.scan(step, init, (r, v, mask, ids), reverse=True)
-    _, c_first, g_first = close(final)
-
-    def spread(fill, x):
-        # fill = (c_k, G_k) of the turn being written; the next turn's arrive at its last token.
-        trace_t, m_t, emit_t, c_t, g_t = x
-        adv = fill[0] + beta * trace_t if trace_on else fill[0]
-        out = (jnp.where(m_t, adv, 0), jnp.where(m_t, fill[1], 0))
-        return (jnp.where(emit_t, c_t, fill[0]), jnp.where(emit_t, g_t, fill[1])), out
-
-    _, (adv, ret) = jax.lax.scan(spread, (c_first, g_first), (trace, mask, emit, c, g))
+    state = (jnp.full(boot.shape, -1, jnp.int32), zero, boot, zero, zero, zero, zero, zero)
+    step = _turn_step_with_trace if trace_on else _turn_step_without_trace
+    (_, final), (trace, emit, c, g) = jax.lax.scan(
+        step, (params, state), (r, v, mask, ids), reverse=True
+    )
+    _, c_first, g_first = _close_turn(params, final)
+    _, (adv, ret) = jax.lax.scan(
+        _spread_step, (params[-1], (c_first, g_first)), (trace, mask, emit, c, g)
+    )
     return adv, ret

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import jax
 import numpy as np
 import pytest
@@ -113,8 +116,41 @@ def test_kl_in_reward_changes_the_rewards():
 def test_unknown_preset_lists_the_valid_ones():
     with pytest.raises(ValueError, match=r"unknown preset 'ppo2'; choose one of \[.*'mpo'.*\]"):
         algorithms.get("ppo2")
-    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['betta'\]"):
+    with pytest.raises(ValueError, match=r"unknown setting 'betta'; valid: \[.*'multiscale.beta'"):
         algorithms.get("mpo", betta=0.1)
+    with pytest.raises(ValueError, match=r"'eps' is ambiguous; write one of \['group.eps'"):
+        algorithms.get("grpo", eps=0.1)
+    with pytest.raises(ValueError, match="group.scale='flat' is not one of"):
+        algorithms.get("grpo", **{"group.scale": "flat"})
+
+
+def test_every_family_setting_is_named_as_the_argument_it_feeds():
+    adv = A
+    feeds = {
+        "gae": [adv.token_gae, adv.turn_gae],
+        "multiscale": [adv.multiscale_advantages],
+        "critic": [adv.token_gae, losses.value_loss],
+        "group": [adv.group_advantages],
+        "trace": [adv.trace_turn_credit, adv.trace_turn_advantages],
+        "gigpo": [adv.gigpo_advantages],
+    }
+    for family, config in algorithms.FAMILIES.items():
+        arguments = {p for fn in feeds[family] for p in inspect.signature(fn).parameters}
+        for field in dataclasses.fields(config):
+            assert field.name in arguments, f"{family}.{field.name} feeds no argument"
+
+
+def test_overrides_reach_the_family_they_name_and_legacy_names_keep_their_meaning():
+    mpo = algorithms.get("mpo", beta=0.3, **{"critic.lam": 1.0})
+    assert mpo.multiscale.beta == 0.3 and mpo.critic.lam == 1.0
+    assert mpo.gae == algorithms.PRESETS["mpo"].gae  # nothing else moved
+    old = algorithms.get("mpo", gamma=0.9, critic_lam=0.8, group_eps=1e-3)
+    assert (old.gae.gamma, old.multiscale.gamma_turn, old.critic.gamma) == (0.9, 0.9, 0.9)
+    assert (old.critic.lam, old.group.eps, old.gigpo.eps) == (0.8, 1e-3, 1e-3)
+    b = random_batch(np.random.default_rng(0), dtype=np.float32)
+    a = algorithms.compute_advantages(algorithms.get("mpo", beta=0.0), b).advantages
+    t = algorithms.compute_advantages(algorithms.get("turn_ppo"), b).advantages
+    np.testing.assert_allclose(a, t, atol=1e-6)  # beta reached the estimator
     with pytest.raises(ValueError, match="aggregation='mean' is not one of"):
         algorithms.get("mpo", aggregation="mean")
 
@@ -132,7 +168,6 @@ def test_impossible_combinations_raise():
 
 
 def test_an_estimator_is_one_registered_function_and_unknown_names_are_refused():
-    import dataclasses
 
     import jax.numpy as jnp
 
@@ -164,4 +199,4 @@ def test_leave_one_out_is_the_explanatory_name_of_loo():
     b = advantages.group_advantages(outcomes, groups, baseline="loo", scale="none")
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_allclose(np.asarray(a), [1.0, -0.5, -0.5, 2.0, -2.0])
-    assert algorithms.get("rloo").baseline == "leave_one_out"
+    assert algorithms.get("rloo").group.baseline == "leave_one_out"

@@ -197,7 +197,7 @@ HELP: dict[str, str] = {
     "resume": "continue the run in --run-dir from its last checkpoint, with its config.json",
     "seed": "the run's seed (model init, tasks, sampling)",
     "progress": "show a progress bar (may change on --resume)",
-    "algo_set": "override fields of the preset, KEY=VALUE (e.g. beta=0.3)",
+    "algo_set": "override settings of the preset, KEY=VALUE (beta=0.3; family.field: critic.lam=1)",
     "env_set": "environment options, KEY=VALUE (e.g. max_turns=8)",
 }
 

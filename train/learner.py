@@ -185,7 +185,7 @@ class UpdateFns:
             mb.returns,
             mb.loss_mask,
             mb.turn_ids,
-            clip=self.algo.value_clip,
+            clip=self.algo.critic.clip,
             normalizer=normalizer,
         )
         return loss, metrics
