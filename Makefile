@@ -29,11 +29,15 @@ run: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python examples/advantage_demo.py
 
+# Test workers: one per core, at most 4 (each holds its own JAX and torch). A file's tests stay on
+# one worker (--dist loadfile), so module fixtures (the search index, tiny models) are built once.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
+
 ## test: lint, then the fast test suite (slow tests deselected)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -m "not slow" --durations=10
+	$(BIN)/python -m pytest -q -m "not slow" --durations=10 -n $(TEST_WORKERS) --dist loadfile
 
 ## test-all: every test, slow ones included
 test-all: $(STAMP)

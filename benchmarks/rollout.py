@@ -19,6 +19,7 @@ import statistics
 import time
 
 import envs
+from envs.checks import play_episode
 from envs.rollout import collect
 from envs.scripted import ScriptedPolicy, oracle_act
 
@@ -65,12 +66,8 @@ def _direct(name, tasks, group, seed):
     batch = _make(name, tasks, group, seed)
     t0 = time.perf_counter()
     for env in batch:
-        env.reset()
-        act = oracle_act(env)
-        while True:
-            r = env.step(act())
-            if r.terminated or r.truncated:
-                break
+        act = oracle_act(env)  # read lazily, after play_episode's reset
+        play_episode(env, lambda _env, act=act: act(), limit=10_000)
     return time.perf_counter() - t0
 
 

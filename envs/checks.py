@@ -16,16 +16,43 @@ Each failure raises ``AssertionError`` naming the check and the episode.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from envs.base import Env
+from envs.base import Env, StepResult
 from envs.rollout import collect
 from envs.scripted import ScriptedPolicy, oracle_act
 from mpo_jax.batch import validate
 
-__all__ = ["HOSTILE_TURNS", "check_environment"]
+__all__ = ["HOSTILE_TURNS", "check_environment", "play_episode"]
+
+
+def play_episode(
+    env: Env, turns: Iterable[str] | Callable[[Env], str], *, limit: int = 200
+) -> StepResult:
+    """Resets ``env`` and plays assistant turns on it until the episode ends (no tokenizer, no
+    batch: the environment alone).
+
+    ``turns`` is a list of turns, played in order, or a function ``env -> next turn`` (a scripted
+    policy), called until the episode ends. Returns the result that ended the episode, or the
+    last one when a list runs out first. A function that has not ended the episode after
+    ``limit`` turns raises ``AssertionError``.
+    """
+    env.reset()
+    scripted = callable(turns)
+    stream = (turns(env) for _ in range(limit)) if scripted else iter(turns)
+    result = None
+    for turn in stream:
+        result = env.step(turn)
+        if result.terminated or result.truncated:
+            return result
+    if scripted:
+        raise AssertionError(f"the episode did not end within {limit} turns")
+    if result is None:
+        raise ValueError("turns: no turn to play")
+    return result
+
 
 HOSTILE_TURNS: tuple[str, ...] = (
     "",

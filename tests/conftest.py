@@ -1,6 +1,25 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import hypothesis
+
+# One XLA compilation cache for the whole session, the trainer's subprocesses included (they
+# inherit the environment): the many Trainers the tests build compile the same tiny-model programs,
+# and each is compiled once. A fresh directory per session keeps runs independent of each other.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="mpo-jax-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+import jax  # noqa: E402  (after the environment: jax reads it on import)
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Deterministic, CI-sized property runs; `HYPOTHESIS_PROFILE=thorough` for a deeper local search.
 hypothesis.settings.register_profile(

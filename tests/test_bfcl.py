@@ -8,15 +8,7 @@ import pytest
 import envs
 from envs.bfcl import EXCLUDED, BFCLEnv, load_tasks
 from envs.chat import format_tool_call
-
-
-def _play(env, act, limit=200):
-    env.reset()
-    for _ in range(limit):
-        r = env.step(act(env))
-        if r.terminated or r.truncated:
-            return r
-    raise AssertionError("the episode did not end")
+from envs.checks import play_episode
 
 
 def test_tasks_load_and_split():
@@ -35,7 +27,7 @@ def test_gold_calls_solve_every_task():
     failures = []
     for task in load_tasks("all"):
         env = BFCLEnv(task=task, split="all")
-        r = _play(env, lambda e: e.oracle_turn())
+        r = play_episode(env, lambda e: e.oracle_turn())
         if not (r.terminated and r.reward == 1.0 and r.info["success"]):
             failures.append((task.task_id, r.info.get("failure")))
         assert r.info["question"] == len(task.questions) - 1
@@ -44,7 +36,7 @@ def test_gold_calls_solve_every_task():
 
 def test_a_silent_agent_gets_zero_on_every_task():
     for task in load_tasks("all"):
-        r = _play(BFCLEnv(task=task, split="all"), lambda e: "I cannot help with that.")
+        r = play_episode(BFCLEnv(task=task, split="all"), lambda e: "I cannot help with that.")
         assert r.terminated and r.reward == 0.0, task.task_id
 
 

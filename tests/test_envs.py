@@ -350,3 +350,19 @@ def test_check_environment_names_what_is_wrong():
 
     with pytest.raises(AssertionError, match="scripted policy: success 0.00 < 1"):
         check_environment(lambda s: Unsolvable(seed=s))
+
+
+def test_play_episode_plays_to_the_end_and_says_when_it_cannot():
+    from envs.checks import play_episode
+
+    env = envs.make("synthetic-nav", seed=3)
+    solved = play_episode(env, lambda e: e.optimal_turn())
+    assert solved.terminated and solved.reward == 1.0
+    # a list that runs out first returns its last result, the episode still open
+    first = play_episode(env, ["stay"])
+    assert not (first.terminated or first.truncated)
+    # a scripted policy that never ends the episode within the limit is an error
+    with pytest.raises(AssertionError, match="did not end within 2 turns"):
+        play_episode(envs.make("synthetic-nav", seed=3, max_turns=50), lambda e: "stay", limit=2)
+    with pytest.raises(ValueError, match="turns: no turn"):
+        play_episode(env, [])

@@ -7,6 +7,7 @@ import pytest
 
 import envs
 from envs.chat import format_tool_call
+from envs.checks import play_episode
 from envs.search.corpus import load_corpus
 from envs.search.env import SearchEnv
 from envs.search.index import build_index, default_index, index_files
@@ -97,20 +98,11 @@ def test_answer_normalisation_em_f1():
     assert f1_score("", "x") == 0.0
 
 
-def _play(env, turns):
-    env.reset()
-    for t in turns:
-        result = env.step(t)
-        if result.terminated or result.truncated:
-            return result
-    return result
-
-
 def test_oracle_solves_every_held_out_question(index):
     for q in questions("test"):
         env = SearchEnv(question=q, index=index)
         env.reset()
-        r = _play(env, env.oracle_turns())
+        r = play_episode(env, env.oracle_turns())
         assert r.terminated and r.reward == 1.0 and r.info["success"], q
         assert r.info["evidence_recall"] == 1.0 and r.info["f1"] == 1.0
 
@@ -118,10 +110,10 @@ def test_oracle_solves_every_held_out_question(index):
 def test_wrong_answers_and_no_answer_get_zero(index):
     q = questions("test")[0]
     env = SearchEnv(question=q, index=index)
-    r = _play(env, [format_tool_call("search", {"query": "x"}), "<answer>Atlantis</answer>"])
+    r = play_episode(env, [format_tool_call("search", {"query": "x"}), "<answer>Atlantis</answer>"])
     assert r.terminated and r.reward == 0.0 and r.info["em"] == 0.0
     env = SearchEnv(question=q, index=index, max_turns=3)
-    r = _play(env, ["I think about it."] * 5)
+    r = play_episode(env, ["I think about it."] * 5)
     assert r.truncated and not r.terminated and r.reward == 0.0
     assert r.info["tool_calls"] == 0 and r.info["evidence_recall"] == 0.0
 

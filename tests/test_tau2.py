@@ -7,16 +7,8 @@ import pytest
 
 import envs
 from envs.chat import format_tool_call
+from envs.checks import play_episode
 from envs.tau2 import Tau2Env, _gold_hash, _import, _pristine_db, _pristine_hash, load_tasks
-
-
-def _play(env, turns):
-    env.reset()
-    for t in turns:
-        r = env.step(t)
-        if r.terminated or r.truncated:
-            return r
-    return r
 
 
 def _oracle_failures(domain, tasks):
@@ -24,7 +16,7 @@ def _oracle_failures(domain, tasks):
     for task in tasks:
         env = Tau2Env(domain=domain, task=task)
         env.reset()
-        r = _play(env, env.oracle_turns())
+        r = play_episode(env, env.oracle_turns())
         if not (r.terminated and r.reward == 1.0):
             failures.append((task.task_id, r.info))
     return failures
@@ -49,7 +41,9 @@ def _doing_nothing_fails(domain, tasks):
     changing = [t for t in tasks if _gold_hash(domain, t) != _pristine_hash(domain)]
     assert len(changing) >= len(tasks) // 3
     for task in changing:
-        r = _play(Tau2Env(domain=domain, task=task), ["I am sorry, I cannot help with that."])
+        r = play_episode(
+            Tau2Env(domain=domain, task=task), ["I am sorry, I cannot help with that."]
+        )
         assert r.terminated and r.reward == 0.0 and not r.info["db_match"], task.task_id
 
 
@@ -69,7 +63,7 @@ def test_a_wrong_write_fails():
     task = next(t for t in load_tasks("retail", "all") if t.task_id == "0")
     name, args = task.actions[-1]
     wrong = dict(args, item_ids=args["item_ids"][:1], new_item_ids=args["new_item_ids"][:1])
-    r = _play(Tau2Env(domain="retail", task=task), [format_tool_call(name, wrong), "Done."])
+    r = play_episode(Tau2Env(domain="retail", task=task), [format_tool_call(name, wrong), "Done."])
     assert r.terminated and r.reward == 0.0
 
 
@@ -78,7 +72,7 @@ def test_communicate_info_is_required():
     env = Tau2Env(domain="airline", task=task)
     env.reset()
     turns = env.oracle_turns()
-    r = _play(Tau2Env(domain="airline", task=task), turns[:-1] + ["Done."])
+    r = play_episode(Tau2Env(domain="airline", task=task), turns[:-1] + ["Done."])
     assert r.info["db_match"] and not r.info["communicated"] and r.reward == 0.0
 
 

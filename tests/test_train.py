@@ -315,7 +315,8 @@ def test_config_json_records_the_resolved_algorithm_and_length(tmp_path):
         run.main(flags(tmp_path, "--preset", "mpo", "--algo-set", "beta=0.25", "--steps", "1")) == 0
     )
     stored = json.loads((tmp_path / "config.json").read_text())
-    assert stored["algorithm"]["beta"] == 0.25 and stored["algorithm"]["estimator"] == "multiscale"
+    assert stored["algorithm"]["multiscale"]["beta"] == 0.25
+    assert stored["algorithm"]["estimator"] == "multiscale"
     assert stored["max_len"] == 32  # as given by TINY
     assert parse_args(["--config", str(tmp_path / "config.json")]).max_len == 32
 
