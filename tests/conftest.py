@@ -4,6 +4,7 @@ import shutil
 import tempfile
 
 import hypothesis
+import pytest
 
 # One XLA compilation cache for the whole session, the trainer's subprocesses included (they
 # inherit the environment): the many Trainers the tests build compile the same tiny-model programs,
@@ -27,3 +28,14 @@ hypothesis.settings.register_profile(
 )
 hypothesis.settings.register_profile("thorough", max_examples=500, deadline=None)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """(PyTorch model, our model) of the tiny dense Qwen3 checkpoint (tests/models.py), built
+    and loaded once per session."""
+    from tests.models import save_tiny_qwen3
+    from train.weights import load_pretrained
+
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    return save_tiny_qwen3(path), load_pretrained(path)

@@ -13,36 +13,18 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from tests.models import SMALL, TINY_QWEN3, randomise
 from train.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
 from train.weights import CheckpointError, load_pretrained, save_pretrained
 
 IDS = np.random.default_rng(0).integers(0, 96, size=(2, 13))
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-
-
-def randomise(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Weights large enough that a wrong detail shows in the logits (HF's init is near zero)."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.2)
-    return model.eval()
 
 
 CHECKPOINTS = {
     "qwen3_dense_tied": (
         transformers.Qwen3Config,
         transformers.Qwen3ForCausalLM,
-        dict(SMALL, num_hidden_layers=2, head_dim=8, tie_word_embeddings=True),
+        TINY_QWEN3,
     ),
     "qwen3_dense_untied_odd_head_dim": (
         transformers.Qwen3Config,

@@ -7,32 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from kernels.logprobs import token_logprobs
-from tests.test_qwen3 import randomise
 from train.sampler import Sampler, generate
-from train.weights import load_pretrained
 
 PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [7, 7], [60, 2, 31, 4]]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    cfg = transformers.Qwen3Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=True,
-    )
-    torch_model = randomise(transformers.Qwen3ForCausalLM(cfg), seed=3)
-    path = tmp_path_factory.mktemp("tiny")
-    torch_model.save_pretrained(path)
-    return torch_model, load_pretrained(path)
 
 
 def full_logprobs(model, ids):
@@ -42,8 +21,8 @@ def full_logprobs(model, ids):
     return np.asarray(logp[np.arange(len(ids) - 1), np.asarray(ids[1:])])
 
 
-def test_greedy_matches_transformers_on_a_ragged_batch(tiny):
-    torch_model, model = tiny
+def test_greedy_matches_transformers_on_a_ragged_batch(tiny_qwen3):
+    torch_model, model = tiny_qwen3
     gen = generate(model, PROMPTS, max_new_tokens=12, temperature=0.0)
     for prompt, tokens in zip(PROMPTS, gen.tokens, strict=True):
         with torch.no_grad():
@@ -57,16 +36,16 @@ def test_greedy_matches_transformers_on_a_ragged_batch(tiny):
         assert tokens == ref[0, len(prompt) :].tolist()
 
 
-def test_logprobs_equal_a_full_forward_pass(tiny):
-    _, model = tiny
+def test_logprobs_equal_a_full_forward_pass(tiny_qwen3):
+    _, model = tiny_qwen3
     gen = generate(model, PROMPTS, max_new_tokens=10, temperature=0.0)
     for prompt, tokens, logprobs in zip(PROMPTS, gen.tokens, gen.logprobs, strict=True):
         full = full_logprobs(model, prompt + tokens)[len(prompt) - 1 :]
         np.testing.assert_allclose(logprobs, full, atol=1e-5)
 
 
-def test_continuing_from_the_cache_equals_generating_from_the_full_prefix(tiny):
-    _, model = tiny
+def test_continuing_from_the_cache_equals_generating_from_the_full_prefix(tiny_qwen3):
+    _, model = tiny_qwen3
     sampler = Sampler(model, batch_size=3, capacity=64)
     sampler.start(PROMPTS)
     turn1 = sampler.generate(max_new_tokens=5, temperature=0.0)
@@ -81,9 +60,9 @@ def test_continuing_from_the_cache_equals_generating_from_the_full_prefix(tiny):
         np.testing.assert_allclose(turn2.logprobs[i], fresh.logprobs[0], atol=1e-5)
 
 
-def test_sampled_logprobs_equal_the_learners_recomputation(tiny):
+def test_sampled_logprobs_equal_the_learners_recomputation(tiny_qwen3):
     # The RL invariant: behaviour policy = old policy, at the sampling temperature.
-    _, model = tiny
+    _, model = tiny_qwen3
     for temperature in (1.0, 0.7):
         gen = generate(model, PROMPTS, max_new_tokens=9, temperature=temperature, seed=1)
         weight, vocab_axis = model.lm_head()
@@ -96,8 +75,8 @@ def test_sampled_logprobs_equal_the_learners_recomputation(tiny):
             np.testing.assert_allclose(logprobs, learner, atol=1e-5)
 
 
-def test_stop_ids_end_a_row_and_are_kept(tiny):
-    _, model = tiny
+def test_stop_ids_end_a_row_and_are_kept(tiny_qwen3):
+    _, model = tiny_qwen3
     free = generate(model, PROMPTS, max_new_tokens=8, temperature=0.0)
     stop = free.tokens[0][3]
     gen = generate(model, PROMPTS, max_new_tokens=8, temperature=0.0, stop_ids=(stop,))
@@ -106,8 +85,8 @@ def test_stop_ids_end_a_row_and_are_kept(tiny):
     assert gen.stopped[0]
 
 
-def test_top_k_one_and_a_tiny_nucleus_are_greedy(tiny):
-    _, model = tiny
+def test_top_k_one_and_a_tiny_nucleus_are_greedy(tiny_qwen3):
+    _, model = tiny_qwen3
     greedy = generate(model, PROMPTS, max_new_tokens=6, temperature=0.0).tokens
     assert generate(model, PROMPTS, max_new_tokens=6, top_k=1, seed=5).tokens == greedy
     assert generate(model, PROMPTS, max_new_tokens=6, top_p=1e-6, seed=6).tokens == greedy
@@ -115,8 +94,8 @@ def test_top_k_one_and_a_tiny_nucleus_are_greedy(tiny):
     assert sampled != greedy  # sampling does sample
 
 
-def test_capacity_and_bad_arguments_are_named(tiny):
-    _, model = tiny
+def test_capacity_and_bad_arguments_are_named(tiny_qwen3):
+    _, model = tiny_qwen3
     sampler = Sampler(model, batch_size=2, capacity=10)
     with pytest.raises(ValueError, match=r"rows\[0\]: 0 \+ 11 tokens exceed the capacity 10"):
         sampler.start([[1] * 11, [2]])

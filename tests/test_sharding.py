@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from train.qwen3 import ModelConfig, Qwen3ForCausalLM
+from tests.models import tiny_model_config
+from train.qwen3 import Qwen3ForCausalLM
 from train.sharding import make_mesh, param_shardings
 
 
@@ -29,16 +30,7 @@ def test_sharded_update_equals_single_device_update():
 
 
 def test_rules_map_logical_names_to_mesh_axes():
-    cfg = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        rope_theta=1e4,
-    )
+    cfg = tiny_model_config(num_layers=1)
     model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     mesh = make_mesh(data=1, devices=jax.devices()[:1])
     specs = param_shardings(nnx.state(model), mesh)

@@ -13,22 +13,13 @@ from flax import nnx  # noqa: E402
 
 from mpo_jax import algorithms  # noqa: E402
 from mpo_jax.batch import TurnBatch  # noqa: E402
+from tests.models import tiny_model_config  # noqa: E402
 from train.learner import Models, UpdateFns, make_optimizer  # noqa: E402
-from train.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel  # noqa: E402
+from train.qwen3 import Qwen3ForCausalLM, Qwen3ValueModel  # noqa: E402
 from train.sharding import batch_sharding, make_mesh, shard_params  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
-cfg = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    rope_theta=1e4,
-    tie_word_embeddings=False,
-)
+cfg = tiny_model_config(tie_word_embeddings=False)
 actor = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
 critic = Qwen3ValueModel.from_policy(actor, rngs=nnx.Rngs(1))
 adef, aparams = nnx.split(actor)
