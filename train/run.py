@@ -32,7 +32,7 @@ from flax import nnx
 import envs
 from envs.rollout import EPISODE_FIGURES, collect
 from mpo_jax import algorithms, diagnostics, losses
-from mpo_jax.batch import TurnBatch, validate
+from mpo_jax.batch import TurnBatch, num_turns, validate
 from train.checkpoint import Checkpoints
 from train.config import (
     DEFAULT_MAX_LEN,
@@ -394,7 +394,7 @@ class Trainer:
             grads, loss = None, 0.0
             for micro in split_micro(mb, parts):
                 n_tok = float(micro.loss_mask.sum())
-                n_turns = float((micro.turn_ids.max(axis=1, initial=-1) + 1).sum())
+                n_turns = float(num_turns(micro.loss_mask, micro.turn_ids).sum())
                 if self.micro_sharding is not None:
                     micro = put_global(micro, self.micro_sharding)
                 (micro_loss, m), g = grad_fn(self.state[which], micro, *extra)

@@ -143,12 +143,18 @@ def _flags(size: dict[str, Any]) -> list[str]:
     return out
 
 
+def finished_record(run_dir: Path) -> dict | None:
+    """The ``study.json`` a finished run has beside it (its cell and wall time), or None."""
+    marker = run_dir / "study.json"
+    return json.loads(marker.read_text()) if marker.exists() else None
+
+
 def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
     """Runs (or resumes, or skips) one cell through ``python -m train.run`` at ``size``."""
     run_dir = cell.run_dir(root)
-    marker = run_dir / "study.json"
-    if marker.exists():
-        return {**json.loads(marker.read_text()), "skipped": True}
+    finished = finished_record(run_dir)
+    if finished is not None:
+        return {**finished, "skipped": True}
     preset, overrides = VARIANTS[cell.variant]
     if (run_dir / "config.json").exists():  # killed earlier: continue it with its own config
         cmd = ["--resume", "--run-dir", str(run_dir)]
@@ -173,7 +179,7 @@ def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{cell}: train.run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     record = {"cell": dataclasses.asdict(cell), "wall_s": wall}
-    marker.write_text(json.dumps(record, indent=2) + "\n")
+    (run_dir / "study.json").write_text(json.dumps(record, indent=2) + "\n")
     return {**record, "skipped": False}
 
 
@@ -193,10 +199,10 @@ def run_summary(run_dir: Path) -> dict[str, Any] | None:
     """One run's figures: final and AUC of the held-out and fresh curves, steps to the threshold,
     wall time, late explained variance and turn-variance fraction, mean credit correlations."""
     rows = read_metrics(run_dir)
-    marker = run_dir / "study.json"
-    if not rows or not marker.exists():
+    finished = finished_record(run_dir)
+    if not rows or finished is None:
         return None
-    out: dict[str, Any] = {"wall_s": json.loads(marker.read_text())["wall_s"]}
+    out: dict[str, Any] = {"wall_s": finished["wall_s"]}
     for name, key in (("heldout", HELDOUT), ("fresh", FRESH)):
         steps, values = _curve(rows, key)
         if steps:
@@ -416,9 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         # this call's wall time (None for --report-only) and the runs' own, summed
         "wall_s": None if args.report_only else time.perf_counter() - started,
         "runs_wall_s": sum(
-            json.loads((c.run_dir(root) / "study.json").read_text())["wall_s"]
-            for c in cells
-            if (c.run_dir(root) / "study.json").exists()
+            record["wall_s"]
+            for record in (finished_record(c.run_dir(root)) for c in cells)
+            if record is not None
         ),
     }
     (out_dir / "results.json").write_text(
