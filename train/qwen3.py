@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from kernels.attention import attention
+
 __all__ = [
     "ModelConfig",
     "SUPPORTED_ARCHITECTURES",
@@ -31,7 +33,7 @@ __all__ = [
     "Qwen3ForCausalLM",
     "Qwen3ValueModel",
     "KVCache",
-    "causal_mask",
+    "REMAT_POLICIES",
 ]
 
 # architecture name -> (model_type, qk_norm, qkv_bias)
@@ -74,8 +76,10 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    dtype: Any = jnp.float32
+    dtype: Any = jnp.float32  # compute: activations, matmul inputs, the KV cache
     param_dtype: Any = jnp.float32
+    remat: str = "none"  # what each decoder layer keeps for the backward pass (REMAT_POLICIES)
+    attention: str | None = None  # kernels.attention implementation (None: by platform)
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -226,16 +230,9 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-def causal_mask(q_positions: jax.Array, k_positions: jax.Array, k_valid=None) -> jax.Array:
-    """[B, 1, 1, Tq, Tk] bool: key s is visible to query t iff pos(s) <= pos(t) (and valid)."""
-    mask = k_positions[:, None, :] <= q_positions[:, :, None]
-    if k_valid is not None:
-        mask = mask & k_valid[:, None, :]
-    return mask[:, None, None]
-
-
 class KVCache(NamedTuple):
-    """Keys and values of every layer: [layers, B, capacity, kv_heads, head_dim] each.
+    """Keys and values of every layer: [layers, B, capacity, kv_heads, head_dim] each, in the
+    compute dtype.
 
     Row b holds its tokens at slots 0 .. length_b - 1 (positions equal slots)."""
 
@@ -247,18 +244,25 @@ class KVCache(NamedTuple):
         shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
         return cls(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
 
+    @staticmethod
+    def nbytes(cfg: ModelConfig, batch: int, capacity: int) -> int:
+        """Bytes of one cache of this shape (keys and values)."""
+        per = cfg.num_layers * batch * capacity * cfg.num_kv_heads * cfg.head_dim
+        return 2 * per * jnp.dtype(cfg.dtype).itemsize
+
 
 def _write_rows(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
-    """Writes new [B, L, ...] into cache [B, S, ...] at slot offsets[b] of each row."""
-
-    def one(c, n, o):
-        return jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), o, axis=0)
-
-    return jax.vmap(one)(cache, new, offsets)
+    """Writes new [B, L, ...] into cache [B, S, ...] at slots offsets[b] + 0..L-1 of each row;
+    slots past the end are dropped (so a cache needs no room for a padded write past its end)."""
+    b, length = new.shape[:2]
+    rows = jnp.arange(b)[:, None]
+    slots = offsets[:, None] + jnp.arange(length)[None]
+    return cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention; optional q/k RMSNorm before RoPE; float32 softmax."""
+    """Grouped-query attention; optional q/k RMSNorm before RoPE; :func:`kernels.attention`
+    (blockwise online softmax, float32 scores: no [T, T] matrix per head is kept)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -290,9 +294,10 @@ class Attention(nnx.Module):
             k = self.k_norm(k)
         return rope(k, positions, cfg.rope_theta), v
 
-    def __call__(self, x, positions, mask, kv=None):
-        """x: [B, T, D]; mask: [B, 1, 1, T, S] over the keys. ``kv`` replaces this call's own keys
-        and values (a KV cache that already holds them); returns (output, (k, v))."""
+    def __call__(self, x, positions, *, causal=None, kv=None):
+        """x: [B, T, D] at ``positions`` [B, T]. ``causal`` = (q_positions, k_positions,
+        k_valid) for the kernel, or None for a full causal sequence (0..T-1, every key valid).
+        ``kv`` replaces this call's own keys and values (a KV cache that already holds them)."""
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -300,14 +305,8 @@ class Attention(nnx.Module):
             q = self.q_norm(q)
         q = rope(q, positions, cfg.rope_theta)
         k, v = self.project_kv(x, positions) if kv is None else kv
-        groups = cfg.num_heads // cfg.num_kv_heads
-        q = q.reshape(b, t, cfg.num_kv_heads, groups, cfg.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-        scores = scores * cfg.head_dim**-0.5
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, -1)
-        return self.o_proj(out), (k, v)
+        out = attention(q, k, v, *(causal or ()), implementation=cfg.attention)
+        return self.o_proj(out.reshape(b, t, -1))
 
 
 class MLP(nnx.Module):
@@ -381,21 +380,31 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.mlp = MoE(cfg, rngs=rngs) if cfg.is_moe_layer(layer) else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x, positions, mask, kv=None):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, mask, kv)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+    def __call__(self, x, positions, causal=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, causal=causal)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
-    def extend(self, x, positions, mask, cache_k, cache_v, offsets):
+    def extend(self, x, positions, causal, cache_k, cache_v, offsets):
         """Like __call__ for new tokens x [B, L, D]: their keys/values are written into the
         layer's cache at each row's offset, and they attend over the whole cache."""
         h = self.input_layernorm(x)
         k_new, v_new = self.self_attn.project_kv(h, positions)
         cache_k = _write_rows(cache_k, k_new, offsets)
         cache_v = _write_rows(cache_v, v_new, offsets)
-        attn, _ = self.self_attn(h, positions, mask, kv=(cache_k, cache_v))
-        x = x + attn
+        x = x + self.self_attn(h, positions, causal=causal, kv=(cache_k, cache_v))
         return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+
+
+# --remat: what a decoder layer keeps for the backward pass (everything else is recomputed).
+REMAT_POLICIES = {
+    "none": None,  # keep every activation
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep the layer's input only
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+}
+
+
+def _layer_call(layer, x, positions, causal):
+    return layer(x, positions, causal)
 
 
 class Qwen3Model(nnx.Module):
@@ -416,14 +425,23 @@ class Qwen3Model(nnx.Module):
 
     def __call__(self, input_ids, positions=None, attention_mask=None):
         """input_ids: int [B, T]; positions default to 0..T-1; attention_mask: bool [B, T] of
-        valid (non-padding) keys. Causal by position."""
+        valid (non-padding) keys. Causal by position. Each layer is rematerialised as
+        ``cfg.remat`` says (:data:`REMAT_POLICIES`)."""
         b, t = input_ids.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        mask = causal_mask(positions, positions, attention_mask)
+        causal = None  # a full causal sequence: the kernel may use cuDNN
+        if positions is not None or attention_mask is not None:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            causal = (positions, positions, attention_mask)
+        rope_positions = positions
+        if rope_positions is None:
+            rope_positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         x = self.embed_tokens(input_ids)
+        call = _layer_call
+        if self.cfg.remat != "none":
+            call = nnx.remat(_layer_call, policy=REMAT_POLICIES[self.cfg.remat])
         for layer in self.layers:
-            x, _ = layer(x, positions, mask)
+            x = call(layer, x, rope_positions, causal)
         return self.norm(x)
 
     def extend(self, input_ids, offsets, n_new, cache: KVCache):
@@ -435,7 +453,7 @@ class Qwen3Model(nnx.Module):
           offsets: int [B], how many tokens each row already has in the cache (the new tokens take
             positions and slots offsets[b], offsets[b] + 1, ...).
           n_new: int [B], how many of the L columns are real for each row (0 leaves a row as is).
-          cache: the :class:`KVCache`; its capacity must be at least max(offsets) + L.
+          cache: the :class:`KVCache`; slots past its capacity are dropped.
 
         Returns:
           (hidden [B, L, D] after the final norm, the updated cache).
@@ -443,13 +461,13 @@ class Qwen3Model(nnx.Module):
         b, t = input_ids.shape
         capacity = cache.k.shape[2]
         positions = offsets[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        slots = jnp.arange(capacity, dtype=jnp.int32)
-        valid = slots[None] < (offsets + n_new)[:, None]
-        mask = causal_mask(positions, jnp.broadcast_to(slots, (b, capacity)), valid)
+        slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
+        valid = slots < (offsets + n_new)[:, None]
+        causal = (positions, slots, valid)
         x = self.embed_tokens(input_ids)
         ks, vs = [], []
         for i, layer in enumerate(self.layers):
-            x, k, v = layer.extend(x, positions, mask, cache.k[i], cache.v[i], offsets)
+            x, k, v = layer.extend(x, positions, causal, cache.k[i], cache.v[i], offsets)
             ks.append(k)
             vs.append(v)
         return self.norm(x), KVCache(jnp.stack(ks), jnp.stack(vs))
@@ -474,9 +492,13 @@ class Qwen3ForCausalLM(nnx.Module):
         return self.lm_head_kernel.kernel[...], -1
 
     def logits(self, hidden: jax.Array) -> jax.Array:
+        """[B, T, vocab] float32 logits (inputs in the compute dtype, accumulated in float32)."""
         weight, vocab_axis = self.lm_head()
         eq = "btd,vd->btv" if vocab_axis == 0 else "btd,dv->btv"
-        return jnp.einsum(eq, hidden.astype(self.cfg.dtype), weight.astype(self.cfg.dtype))
+        dt = self.cfg.dtype
+        return jnp.einsum(
+            eq, hidden.astype(dt), weight.astype(dt), preferred_element_type=jnp.float32
+        )
 
     def __call__(self, input_ids, positions=None, attention_mask=None, *, return_hidden=False):
         hidden = self.model(input_ids, positions, attention_mask)
@@ -488,7 +510,7 @@ class Qwen3ForCausalLM(nnx.Module):
         last new token (computed for that one position only) and the updated cache."""
         hidden, cache = self.model.extend(input_ids, offsets, n_new, cache)
         last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)
-        return self.logits(last)[:, 0].astype(jnp.float32), cache
+        return self.logits(last)[:, 0], cache
 
 
 class Qwen3ValueModel(nnx.Module):

@@ -5,16 +5,21 @@
 
 Multi-turn rollouts keep the cache alive between turns with :class:`Sampler`:
 
-    s = Sampler(model, batch_size=2, capacity=4096)
-    s.start(prompts)                      # prefill
+    s = Sampler(model, capacity=4096)
+    s.start(prompts)                      # allocates the cache for len(prompts) rows, prefills
     turn = s.generate(max_new_tokens=256, stop_ids=(im_end,))
     s.extend(observation_ids_per_row)     # tool responses appended; the prefix is not re-run
     turn = s.generate(...)
+    s.close()                             # frees the cache
 
-Shapes are static: prompt and observation lengths are padded to power-of-two buckets and the
-decode loop is one jitted ``lax.while_loop`` over a preallocated cache, so a new prompt length
-costs a compile only when it enters a new bucket. Every sampled token (the stop id included) is
-fed back into the cache, so the cache always holds the conversation exactly as sampled.
+Shapes are static: prompt and observation lengths are padded to power-of-two buckets and
+prefilled in chunks of at most ``prefill_chunk`` tokens, and the decode loop is one jitted
+``lax.while_loop`` over a preallocated cache, so a new prompt length costs a compile only when it
+enters a new bucket. Every sampled token (the stop id included) is fed back into the cache, so
+the cache always holds the conversation exactly as sampled. The cache holds ``capacity`` slots a
+row (rounded up to the attention kernel's block) in the model's compute dtype; it is allocated by
+:meth:`Sampler.start` for the rows given and released by :meth:`Sampler.close`, so one sampler
+serves training and evaluation batches of any size.
 
 Log-probs are those of the distribution the token was sampled from, ``softmax(logits / τ)``
 (plain softmax for τ = 0, greedy), before top-k / top-p filtering: what the learner recomputes
@@ -34,7 +39,16 @@ from flax import nnx
 
 from train.qwen3 import KVCache
 
-__all__ = ["Generation", "Sampler", "generate", "bucket", "categorical"]
+__all__ = [
+    "Generation",
+    "Sampler",
+    "generate",
+    "bucket",
+    "cache_slots",
+    "cache_sharding",
+    "empty_cache",
+    "categorical",
+]
 
 
 @dataclasses.dataclass
@@ -49,6 +63,13 @@ class Generation:
 def bucket(n: int, minimum: int = 16) -> int:
     """The smallest power of two >= max(n, minimum)."""
     return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+def cache_slots(capacity: int) -> int:
+    """Cache slots for ``capacity`` tokens a row: rounded up to the attention kernel's key block,
+    so the kernel never pads the cache (writes past the end are dropped, not shifted)."""
+    block = 512 if capacity > 512 else 8
+    return -(-capacity // block) * block
 
 
 def _filter_logits(logits, top_k: int, top_p: float):
@@ -126,19 +147,31 @@ class Sampler:
 
     Args:
       model: a :class:`train.qwen3.Qwen3ForCausalLM` (any module with the same ``extend``).
-      batch_size: rows (conversations) in the batch.
       capacity: the most tokens one conversation may hold (prompt, turns, observations).
+      batch_size: rows (conversations) a batch must have; None: whatever :meth:`start` gets.
+      prefill_chunk: the most tokens a row prefills in one call (longer prompts and
+        observations go in chunks: the attention's working set is chunk x capacity).
     """
 
-    def __init__(self, model, *, batch_size: int, capacity: int):
+    def __init__(
+        self,
+        model,
+        *,
+        capacity: int,
+        batch_size: int | None = None,
+        prefill_chunk: int = 512,
+        mesh=None,
+    ):
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
         self.batch_size = batch_size
         self.capacity = capacity
-        self._slots = bucket(capacity + 1) + bucket(1)  # room for one padded write past the end
-        self.cache = KVCache.empty(self.cfg, batch_size, self._slots)
-        self.lengths = np.zeros(batch_size, np.int32)
-        self.next_logits = jnp.zeros((batch_size, self.cfg.vocab_size), jnp.float32)
+        self.prefill_chunk = prefill_chunk
+        self.slots = cache_slots(capacity)
+        self.mesh = mesh
+        self.cache = None
+        self.lengths = np.zeros(batch_size or 0, np.int32)
+        self.next_logits = None
 
     # -- host API ------------------------------------------------------------------------------
 
@@ -148,8 +181,10 @@ class Sampler:
         The new tokens attend to everything already in the cache; nothing is re-run.
         Raises ValueError when a row would exceed ``capacity``.
         """
-        if len(rows) != self.batch_size:
-            raise ValueError(f"rows: {len(rows)} rows for a batch of {self.batch_size}")
+        if self.cache is None:
+            raise ValueError("extend: no live batch (call start first)")
+        if len(rows) != len(self.lengths):
+            raise ValueError(f"rows: {len(rows)} rows for a batch of {len(self.lengths)}")
         n_new = np.array([len(r) if r is not None else 0 for r in rows], np.int32)
         over = np.nonzero(self.lengths + n_new > self.capacity)[0]
         if over.size:
@@ -160,22 +195,21 @@ class Sampler:
             )
         if not n_new.any():
             return
-        width = bucket(int(n_new.max()))
-        ids = np.zeros((self.batch_size, width), np.int32)
+        longest = int(n_new.max())
+        ids = np.zeros((len(rows), longest), np.int32)
         for i, r in enumerate(rows):
             if r:
                 ids[i, : len(r)] = r
-        # Chunk so that every padded write stays inside the cache.
-        step = min(width, self._slots - self.capacity)
-        for lo in range(0, width, step):
-            part = np.clip(n_new - lo, 0, step).astype(np.int32)
-            if not part.any():
-                break
+        for lo in range(0, longest, self.prefill_chunk):
+            part = np.clip(n_new - lo, 0, self.prefill_chunk).astype(np.int32)
+            width = min(bucket(int(part.max())), self.prefill_chunk)
+            chunk = np.zeros((len(rows), width), np.int32)
+            chunk[:, : min(width, longest - lo)] = ids[:, lo : lo + width]
             self.next_logits, self.cache = _extend_jit(
                 self.graphdef,
                 self.state,
                 self.cache,
-                jnp.asarray(ids[:, lo : lo + step]),
+                jnp.asarray(chunk),
                 jnp.asarray(self.lengths),
                 jnp.asarray(part),
                 self.next_logits,
@@ -183,14 +217,23 @@ class Sampler:
             self.lengths = self.lengths + part
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
-        """Resets the batch and prefills it with the prompts (one per row)."""
-        if len(prompts) != self.batch_size:
+        """Starts a batch (one row per prompt) and prefills it; the cache is allocated here."""
+        if self.batch_size is not None and len(prompts) != self.batch_size:
             raise ValueError(f"prompts: {len(prompts)} prompts for a batch of {self.batch_size}")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}]: empty prompt")
-        self.lengths = np.zeros(self.batch_size, np.int32)
+        rows = len(prompts)
+        if self.cache is None or self.cache.k.shape[1] != rows:
+            self.cache = None  # free the old one first
+            self.cache = empty_cache(self.cfg, rows, self.slots, self.mesh)
+        self.lengths = np.zeros(rows, np.int32)
+        self.next_logits = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
         self.extend(prompts)
+
+    def close(self) -> None:
+        """Releases the cache (a later :meth:`start` allocates a new one)."""
+        self.cache = self.next_logits = None
 
     def generate(
         self,
@@ -212,7 +255,10 @@ class Sampler:
             raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
         if temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {temperature}")
-        act = np.ones(self.batch_size, bool) if active is None else np.asarray(active, bool)
+        if self.cache is None:
+            raise ValueError("generate: no live batch (call start first)")
+        rows = len(self.lengths)
+        act = np.ones(rows, bool) if active is None else np.asarray(active, bool)
         self.cache, lengths, self.next_logits, stopped, out, out_lp = _decode_jit(
             self.graphdef,
             self.capacity,
@@ -231,18 +277,40 @@ class Sampler:
         self.lengths = np.asarray(lengths)
         out, out_lp = np.asarray(out), np.asarray(out_lp)
         tokens, logprobs = [], []
-        for i in range(self.batch_size):
+        for i in range(rows):
             n = int(np.sum(out[i] >= 0))
             tokens.append(out[i, :n].tolist())
             logprobs.append(out_lp[i, :n].tolist())
         return Generation(tokens, logprobs, np.asarray(stopped).tolist())
 
 
+def cache_sharding(cfg, rows: int, mesh) -> jax.sharding.NamedSharding | None:
+    """How a cache of ``rows`` rows lies on ``mesh``: rows over the data-parallel axes and key/
+    value heads over ``tensor``, each where it divides (None without a mesh)."""
+    if mesh is None:
+        return None
+    from train.sharding import DEFAULT_RULES, batch_ways
+
+    data = dict(DEFAULT_RULES)["batch"] if rows % batch_ways(mesh) == 0 else None
+    tensor = mesh.shape.get("tensor", 1)
+    heads = "tensor" if tensor > 1 and cfg.num_kv_heads % tensor == 0 else None
+    return jax.sharding.NamedSharding(mesh, jax.P(None, data, None, heads, None))
+
+
+def empty_cache(cfg, rows: int, slots: int, mesh=None) -> KVCache:
+    """A zero cache allocated where it lives (sharded on ``mesh``; never a host copy first)."""
+    sharding = cache_sharding(cfg, rows, mesh)
+    make = functools.partial(KVCache.empty, cfg, rows, slots)
+    if sharding is None:
+        return make()
+    return jax.jit(make, out_shardings=KVCache(sharding, sharding))()
+
+
 # The jitted programs live at module level, keyed on the graphdef, so that samplers of equal
-# models share their compiled code.
+# models share their compiled code. The cache is donated: each call updates it in place.
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
 def _extend_jit(graphdef, state, cache, ids, offsets, n_new, old_logits):
     model = nnx.merge(graphdef, state)
     logits, cache = model.extend(ids, offsets, n_new, cache)
@@ -250,7 +318,7 @@ def _extend_jit(graphdef, state, cache, ids, offsets, n_new, old_logits):
     return logits, cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 8, 9, 10, 11, 12))
+@functools.partial(jax.jit, static_argnums=(0, 1, 8, 9, 10, 11, 12), donate_argnums=(3,))
 def _decode_jit(
     graphdef,
     capacity,
@@ -312,7 +380,7 @@ def generate(
 ) -> Generation:
     """One turn for a ragged batch of prompts (lists of token ids); see :class:`Sampler`."""
     capacity = max(len(p) for p in prompts) + max_new_tokens
-    sampler = Sampler(model, batch_size=len(prompts), capacity=capacity)
+    sampler = Sampler(model, capacity=capacity)
     sampler.start(prompts)
     return sampler.generate(
         max_new_tokens=max_new_tokens,
