@@ -281,3 +281,66 @@ def test_gradients_flow_through_dense_and_moe_blocks(checkpoint):
     # every projection, experts included, receives gradient
     touched = [p for p, g in flat if np.abs(np.asarray(g.get_value())).max() > 0]
     assert len(touched) == len(flat), sorted(set(map(str, flat)) - set(map(str, touched)))[:3]
+
+
+# ------------------------------------------------------------------------------------------------
+# The file shapes of official releases
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense-tied-with-head", "moe-untied"])
+def test_official_checkpoint_file_shapes_load(tmp_path, moe):
+    # bfloat16 on disk, two shards and an index, and (tied) lm_head.weight beside the embedding.
+    from tests.models import save_official_qwen3
+
+    torch_model = save_official_qwen3(tmp_path, moe=moe, vocab_size=96)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 2
+    if not moe:
+        assert "lm_head.weight" in index["weight_map"]
+    notes = []
+    model = load_pretrained(tmp_path, log=notes.append)
+    with torch.no_grad():
+        expected = torch_model(torch.tensor(IDS)).logits.numpy()
+    np.testing.assert_allclose(model(jnp.asarray(IDS, jnp.int32)), expected, atol=2e-4)
+    if not moe:
+        assert notes == [
+            "lm_head.weight equals model.embed_tokens.weight within bfloat16 rounding "
+            "(tie_word_embeddings: true): the embedding is used"
+        ]
+
+
+def test_a_tied_head_that_is_not_the_embedding_is_refused(tmp_path):
+    from safetensors.torch import load_file
+    from safetensors.torch import save_file as save_torch
+
+    from tests.models import save_official_qwen3
+
+    save_official_qwen3(tmp_path, vocab_size=96)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = tmp_path / index["weight_map"]["lm_head.weight"]
+    tensors = load_file(shard)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 1.05  # beyond bfloat16 rounding
+    save_torch(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lm_head.weight: differs from model.embed_tokens"):
+        load_pretrained(tmp_path)
+    # an index that names a shard that is not there is named too
+    (tmp_path / index["weight_map"]["lm_head.weight"]).unlink()
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: names model-"):
+        load_pretrained(tmp_path)
+
+
+def test_exported_bfloat16_and_sharded_weights_load_back(checkpoint, tmp_path):
+    # save_pretrained's own writer: bfloat16, and shards with an index past shard_bytes
+    _, path, expected = checkpoint
+    model = load_pretrained(path)
+    save_pretrained(model, tmp_path / "bf16", dtype=jnp.bfloat16, shard_bytes=20_000)
+    assert (tmp_path / "bf16" / "model.safetensors.index.json").exists()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").eval()
+    assert back.dtype == torch.bfloat16
+    ours = load_pretrained(tmp_path / "bf16")
+    with torch.no_grad():
+        theirs = back.float()(torch.tensor(IDS)).logits.numpy()
+    np.testing.assert_allclose(ours(jnp.asarray(IDS, jnp.int32)), theirs, atol=2e-4)
+    scale = np.abs(expected).max()
+    assert np.abs(theirs - expected).max() < 0.05 * scale  # bfloat16 rounding only

@@ -1,13 +1,20 @@
 """Hugging Face checkpoints in and out: ``load_pretrained`` and ``save_pretrained``.
 
-A checkpoint folder holds ``config.json`` and one or many ``*.safetensors`` files (with a
-``model.safetensors.index.json`` when sharded). Loading builds the model abstractly (no weights
-allocated), then reads the files tensor by tensor with NumPy (never PyTorch), checks each name and
-shape against ``config.json``, and places each tensor on its device (with the sharding the caller
-computed, if any) as soon as it is read: there is never a full host copy of the model.
+A checkpoint folder holds ``config.json`` and one ``model.safetensors`` or several shards named
+by ``model.safetensors.index.json`` (float32, float16 or bfloat16 on disk). Loading builds the
+model abstractly (no weights allocated), then reads the files tensor by tensor with NumPy (never
+PyTorch), checks each name and shape against ``config.json``, and places each tensor on its
+device (with the sharding the caller computed, if any) as soon as it is read: there is never a
+full host copy of the model.
 
 The name table is small: Hugging Face ``[out, in]`` linear weights become nnx ``[in, out]`` kernels
-(a transpose), per-expert MoE weights are stacked into ``[experts, ...]`` parameters.
+(a transpose), per-expert MoE weights are stacked into ``[experts, ...]`` parameters. A tied
+checkpoint (``tie_word_embeddings: true``) may still ship ``lm_head.weight`` (the official
+Qwen3-0.6B, 1.7B and 4B do): it is checked against the embedding, tensor row block by row block,
+and must equal it within bfloat16 rounding; the embedding is used (and a checkpoint whose two
+differ is refused). A critic (:class:`train.qwen3.Qwen3ValueModel`) reads the same folders (its
+trunk; ``lm_head.weight`` is not part of it) plus ``value_head.weight``/``value_head.bias`` when
+an exported critic has them.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +32,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from train.qwen3 import ModelConfig, Qwen3ForCausalLM
 
-__all__ = ["load_pretrained", "save_pretrained", "read_config", "CheckpointError"]
+__all__ = [
+    "load_pretrained",
+    "save_pretrained",
+    "read_config",
+    "checkpoint_files",
+    "CheckpointError",
+]
 
 
 class CheckpointError(ValueError):
@@ -65,6 +77,10 @@ def _hf_to_nnx(name: str) -> tuple[tuple, bool, int | None]:
         return ("model", "norm", "weight"), False, None
     if name == "lm_head.weight":
         return ("lm_head_kernel", "kernel"), True, None
+    if name == "value_head.weight":
+        return ("value_head", "kernel"), True, None
+    if name == "value_head.bias":
+        return ("value_head", "bias"), False, None
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
         layer, rest = int(m.group(1)), m.group(2)
@@ -78,39 +94,98 @@ def _hf_to_nnx(name: str) -> tuple[tuple, bool, int | None]:
     raise CheckpointError(f"{name}: unexpected tensor (no parameter of this architecture)")
 
 
-def _read_bf16(file: Path, name: str) -> np.ndarray:
-    """A BF16 tensor, read with the safetensors layout directly (its NumPy API has no bfloat16)."""
+_NUMPY_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+}
+
+
+def _header(file: Path) -> tuple[int, dict]:
+    """(data offset, header) of a safetensors file."""
     with open(file, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        start, end = header[name]["data_offsets"]
-        f.seek(8 + n + start)
+        return 8 + n, json.loads(f.read(n))
+
+
+def _read(file: Path, info: dict, base: int, rows: slice | None = None) -> np.ndarray:
+    """A tensor (or a block of its leading rows) read from the safetensors layout directly (its
+    NumPy API has no bfloat16)."""
+    dtype = np.dtype(_NUMPY_DTYPES[info["dtype"]])
+    shape = list(info["shape"])
+    start, end = info["data_offsets"]
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else 0
+    if rows is not None:
+        lo, hi = rows.start, min(rows.stop, shape[0])
+        start, end, shape = start + lo * row_bytes, start + hi * row_bytes, [hi - lo, *shape[1:]]
+    with open(file, "rb") as f:
+        f.seek(base + start)
         data = f.read(end - start)
-    return np.frombuffer(data, ml_dtypes.bfloat16).reshape(header[name]["shape"])
+    return np.frombuffer(data, dtype).reshape(shape)
 
 
-def _iter_tensors(path: Path) -> Iterator[tuple[str, Callable[[], np.ndarray], tuple, str]]:
-    """(name, loader, shape, dtype) for every tensor of the folder's safetensors files."""
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder: those its index names (sharded), else
+    ``model.safetensors``, else every ``*.safetensors``. A file the index names must exist."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise CheckpointError(f"{index}: names {missing[0]}, which does not exist")
+        return [path / n for n in names]
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files")
-    for file in files:
-        with safe_open(file, framework="numpy") as f:
-            names = list(f.keys())
-        with open(file, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name in names:
-            info = header[name]
-            if info["dtype"] == "BF16":
-                loader = lambda file=file, name=name: _read_bf16(file, name)  # noqa: E731
-            else:
+    return files
 
-                def loader(file=file, name=name):
-                    with safe_open(file, framework="numpy") as f:
-                        return f.get_tensor(name)
+
+def _iter_tensors(path: Path) -> Iterator[tuple[str, Callable[..., np.ndarray], tuple, str]]:
+    """(name, loader, shape, dtype) for every tensor of the folder's safetensors files; the
+    loader takes an optional ``rows`` slice (a block of leading rows)."""
+    for file in checkpoint_files(path):
+        base, header = _header(file)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+
+            def loader(rows=None, file=file, info=info, base=base, name=name):
+                if info["dtype"] not in _NUMPY_DTYPES:
+                    raise CheckpointError(f"{name}: dtype {info['dtype']} is not supported")
+                return _read(file, info, base, rows)
 
             yield name, loader, tuple(info["shape"]), info["dtype"]
+
+
+def _check_tied_head(head, embedding, shape, log) -> None:
+    """Refuses an ``lm_head.weight`` that differs from the embedding beyond bfloat16 rounding
+    (compared block by block of rows: never a second full copy on the host)."""
+    worst = 0.0
+    for lo in range(0, shape[0], 4096):
+        block = slice(lo, lo + 4096)
+        a = head(block).astype(np.float32)
+        b = embedding(block).astype(np.float32)
+        tolerance = 2.0**-8 * np.maximum(np.abs(a), np.abs(b)) + 1e-12
+        excess = np.abs(a - b) - tolerance
+        worst = max(worst, float(excess.max(initial=-np.inf)))
+        if worst > 0:
+            raise CheckpointError(
+                "lm_head.weight: differs from model.embed_tokens.weight beyond bfloat16 rounding "
+                f"(rows {lo}-{lo + len(a) - 1}, by up to {float(np.abs(a - b).max()):.3g}) "
+                "although config.json says tie_word_embeddings: true; fix config.json "
+                "(tie_word_embeddings: false) or the checkpoint"
+            )
+    log(
+        "lm_head.weight equals model.embed_tokens.weight within bfloat16 rounding "
+        "(tie_word_embeddings: true): the embedding is used"
+    )
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def load_pretrained(
@@ -120,6 +195,8 @@ def load_pretrained(
     param_dtype: Any = jnp.float32,
     shardings: Any = None,
     model_cls: type = Qwen3ForCausalLM,
+    remat: str = "none",
+    log: Callable[[str], None] = _stderr,
 ) -> Any:
     """Reads a Hugging Face checkpoint folder into our model.
 
@@ -132,14 +209,19 @@ def load_pretrained(
       shardings: optional ``{parameter path: jax.sharding.Sharding}`` (e.g.
         ``train.sharding.param_shardings`` of the abstract model); each tensor is placed with
         its sharding as it is read.
-      model_cls: :class:`Qwen3ForCausalLM` (default) or another class with the same parameters.
+      model_cls: :class:`Qwen3ForCausalLM` (default) or :class:`train.qwen3.Qwen3ValueModel`
+        (the trunk, plus a value head when the folder has one; else the head keeps its init).
+      remat: the model's ``remat`` (what each layer keeps for the backward pass).
+      log: where notes about the checkpoint go (default: stderr).
 
     Raises:
       CheckpointError: a missing or unexpected tensor, or a shape that disagrees with
-        ``config.json`` (the message names the tensor), or an unsupported architecture.
+        ``config.json`` (the message names the tensor), a tied ``lm_head.weight`` that is not
+        the embedding, or an unsupported architecture.
     """
     path = Path(path)
-    cfg = read_config(path, dtype=dtype, param_dtype=param_dtype)
+    cfg = read_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    critic = model_cls is not Qwen3ForCausalLM
     abstract = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
@@ -147,17 +229,27 @@ def load_pretrained(
 
     def place(key, array):
         sharding = placements.get(key)
-        value = jnp.asarray(array, dtype=param_dtype)
+        value = jnp.asarray(array, dtype=flat[key].get_value().dtype)
         if sharding is not None:
             value = jax.device_put(value, sharding)
         flat[key] = flat[key].replace(value)
 
     expected = {k for k, v in flat.items() if isinstance(v, nnx.Param)}
+    if critic:  # a fresh value head unless the folder is an exported critic
+        expected = {k for k in expected if k[0] != "value_head"}
     experts: dict[tuple, np.ndarray] = {}
     filled: set[tuple] = set()
     expert_seen: dict[tuple, set[int]] = {}
+    tied: dict[str, Any] = {}
     for name, load, shape, _ in _iter_tensors(path):
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or critic):
+            tied["head"] = (load, shape)  # checked against the embedding below; not a parameter
+            continue
         key, transpose, expert = _hf_to_nnx(name)
+        if key[0] == "value_head" and critic:
+            if key not in flat:
+                raise CheckpointError(f"{name}: unexpected tensor")
+            expected.add(key)
         if key not in flat:
             where = ".".join(map(str, key))
             raise CheckpointError(f"{name}: unexpected tensor (the config has no {where})")
@@ -172,6 +264,8 @@ def load_pretrained(
             raise CheckpointError(
                 f"{name}: shape {list(shape)} disagrees with config.json (expected {list(hf_want)})"
             )
+        if name == "model.embed_tokens.weight":
+            tied["embedding"] = load
         array = load()
         if transpose:
             array = array.T
@@ -185,6 +279,19 @@ def load_pretrained(
             if len(expert_seen[key]) == buf.shape[0]:
                 place(key, experts.pop(key))
                 filled.add(key)
+    if "head" in tied and cfg.tie_word_embeddings and "embedding" in tied:
+        head, head_shape = tied["head"]
+        want = tuple(flat[("model", "embed_tokens", "embedding")].get_value().shape)
+        if tuple(head_shape) != want:
+            raise CheckpointError(
+                f"lm_head.weight: shape {list(head_shape)} disagrees with the tied embedding "
+                f"(expected {list(want)})"
+            )
+        _check_tied_head(head, tied["embedding"], head_shape, log)
+    if critic:  # a checkpoint without a value head: a fresh one at zero
+        for key in flat:
+            if key[0] == "value_head" and key not in filled:
+                place(key, np.zeros(flat[key].get_value().shape, np.float32))
     missing = sorted(expected - filled)
     if missing:
         first = missing[0]
@@ -213,24 +320,86 @@ def _nnx_to_hf(key: tuple) -> str:
     return f"model.layers.{layer}." + ".".join(rest[:-1]) + f".{suffix}"
 
 
-def save_pretrained(model: Any, path: str | Path) -> None:
-    """Writes ``config.json`` and ``model.safetensors`` that transformers loads back.
+_SAFETENSORS_DTYPES = {np.dtype(v): k for k, v in _NUMPY_DTYPES.items()}
 
-    The value head of a critic is not part of a Hugging Face causal LM and is not written.
+
+def _write_safetensors(file: Path, tensors: dict[str, np.ndarray]) -> None:
+    """The safetensors layout, written directly (bfloat16 included)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, x in tensors.items():
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[x.dtype],
+            "shape": list(x.shape),
+            "data_offsets": [offset, offset + x.nbytes],
+        }
+        offset += x.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for x in tensors.values():
+            f.write(np.ascontiguousarray(x).tobytes())
+
+
+def _hf_tensors(model: Any, dtype) -> Iterator[tuple[str, np.ndarray]]:
+    """(Hugging Face name, host array) of every parameter, one at a time."""
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if key[0] not in ("model", "lm_head_kernel", "value_head"):
+            continue
+        value = np.asarray(jax.device_get(var.get_value()))
+        if dtype is not None:
+            value = value.astype(dtype)
+        if key[0] == "value_head":
+            yield (
+                f"value_head.{'weight' if key[-1] == 'kernel' else 'bias'}",
+                (value.T if key[-1] == "kernel" else value),
+            )
+            continue
+        name = _nnx_to_hf(key)
+        if "experts.*" in name:  # [E, in, out] -> one [out, in] tensor per expert
+            for j in range(value.shape[0]):
+                yield name.replace("*", str(j)), value[j].T
+        else:
+            yield name, value.T if key[-1] == "kernel" else value
+
+
+def save_pretrained(
+    model: Any, path: str | Path, *, dtype: Any = None, shard_bytes: int = 5 * 2**30
+) -> None:
+    """Writes ``config.json`` and the weights as safetensors that transformers loads back: one
+    ``model.safetensors``, or shards of at most ``shard_bytes`` with the index
+    ``model.safetensors.index.json`` (as Hugging Face shards them).
+
+    ``dtype`` (e.g. ``jnp.bfloat16``) converts the weights on the way out (default: as held).
+    A critic (:class:`train.qwen3.Qwen3ValueModel`) writes its trunk under the causal LM's names
+    and its head as ``value_head.weight``/``value_head.bias``.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg: ModelConfig = model.cfg
-    tensors: dict[str, np.ndarray] = {}
-    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if key[0] not in ("model", "lm_head_kernel"):
-            continue
-        value = np.asarray(jax.device_get(var.get_value()))
-        name = _nnx_to_hf(key)
-        if "experts.*" in name:  # [E, in, out] -> one [out, in] tensor per expert
-            for j in range(value.shape[0]):
-                tensors[name.replace("*", str(j))] = np.ascontiguousarray(value[j].T)
-        else:
-            tensors[name] = np.ascontiguousarray(value.T if key[-1] == "kernel" else value)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+    np_dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in _hf_tensors(model, np_dtype):
+        if shards[-1] and size + value.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = np.ascontiguousarray(value)
+        size += value.nbytes
+    if len(shards) == 1:
+        _write_safetensors(path / "model.safetensors", shards[0])
+    else:
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _write_safetensors(path / file, shard)
+            weight_map.update({name: file for name in shard})
+            total += sum(x.nbytes for x in shard.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = cfg.to_hf()
+    if np_dtype is not None:
+        config["torch_dtype"] = np_dtype.name
+    (path / "config.json").write_text(json.dumps(config, indent=2))
