@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["Observation", "StepResult", "Env"]
@@ -59,6 +60,14 @@ class Env(abc.ABC):
     split: str = "train"
     eval_fresh: bool = False
     codec: Any = None  # every environment names its codec (see the module docstring)
+    chat_format: bool = False  # True: speaks a chat template (a checkpoint's codec may replace it)
+    gold_answers: bool = False  # every task has a gold answer (what TRACE scores)
+
+    @property
+    def turn_budget(self) -> int | None:
+        """Tokens a turn may take (the trainer's default ``--max-new-tokens``): the
+        environment's ``turn_length`` where it has one, else None (the trainer's 256)."""
+        return getattr(self, "turn_length", None)
 
     @property
     def task_id(self):
@@ -68,6 +77,12 @@ class Env(abc.ABC):
     def max_episode_tokens(self, codec=None) -> int | None:
         """The longest episode in tokens under ``codec``, or None when the environment cannot
         say (free-text turns)."""
+        return None
+
+    def task_prompts(self) -> Iterator[tuple[Any, list[dict], list[dict]]] | None:
+        """(task id, first messages, tool schemas) of every task of this environment's split,
+        so that a trainer can check each prompt against its length budget before it starts;
+        None when the tasks cannot be listed (their prompts are short by construction)."""
         return None
 
     @abc.abstractmethod

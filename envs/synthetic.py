@@ -74,6 +74,7 @@ class WordCodec:
         self.vocabulary = list(vocabulary)
         self.index = {w: i for i, w in enumerate(self.vocabulary)}
         self.stop_ids: tuple[int, ...] = ()
+        self.end_of_turn: tuple[int, ...] = ()  # turns have a fixed length: nothing to close
 
     @property
     def vocab_size(self) -> int:
@@ -105,6 +106,7 @@ class _WordTask(Env):
     episode is known), and a word codec."""
 
     eval_fresh = True
+    gold_answers = True  # the goal room, the door's key
 
     def __init__(self, *, seed: int, split: str, instances: list, codec: WordCodec):
         check_split(split)

@@ -34,6 +34,7 @@ from envs.chat import format_tool_call
 from envs.packages import package_dir
 from envs.splits import check_split, split_indices
 from envs.tool_env import Response, ToolEnv
+from envs.tool_env import exclude_tasks as exclude_tasks_
 from envs.tools import Tool, ToolBox, ToolResult
 
 __all__ = ["Tau2Task", "Tau2Env", "load_tasks", "DOMAINS", "PACKAGE"]
@@ -242,7 +243,8 @@ def _normalise(text: str) -> str:
 
 class Tau2Env(ToolEnv):
     """Args: domain ('retail' | 'airline'), seed (which task), split ('train' | 'test' | 'all'),
-    max_turns, task (a fixed :class:`Tau2Task`), time_limit_s (per call)."""
+    max_turns, task (a fixed :class:`Tau2Task`), time_limit_s (per call), exclude_tasks (task
+    ids never drawn)."""
 
     def __init__(
         self,
@@ -253,10 +255,11 @@ class Tau2Env(ToolEnv):
         max_turns: int = 24,
         task: Tau2Task | None = None,
         time_limit_s: float = 5.0,
+        exclude_tasks: list[str] | None = None,
     ):
         self.domain = domain
         self.split = split
-        self.pool = load_tasks(domain, split)
+        self.pool = exclude_tasks_(load_tasks(domain, split), exclude_tasks, lambda t: t.task_id)
         self.rng = np.random.default_rng(seed)
         self.task = task or self.pool[int(self.rng.integers(len(self.pool)))]
         self.kit = None
@@ -284,13 +287,16 @@ class Tau2Env(ToolEnv):
     def _task_id(self) -> str:
         return f"{self.domain}:{self.task.task_id}"
 
+    def _first_messages(self, task: Tau2Task) -> list[dict]:
+        return [
+            {"role": "system", "content": _SYSTEM.format(policy=_policy(self.domain))},
+            {"role": "user", "content": task.message},
+        ]
+
     def _start(self) -> list[dict]:
         self.kit, self.private = _shared_kit(self.domain), False
         self.replies = []
-        return [
-            {"role": "system", "content": _SYSTEM.format(policy=_policy(self.domain))},
-            {"role": "user", "content": self.task.message},
-        ]
+        return self._first_messages(self.task)
 
     def _close(self) -> None:
         # drop the episode's private database as soon as the episode ends

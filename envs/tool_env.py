@@ -17,7 +17,7 @@ from typing import Any
 from envs.base import Env, Observation, StepResult
 from envs.tools import ToolBox, ToolResult
 
-__all__ = ["ToolEnv", "Response"]
+__all__ = ["ToolEnv", "Response", "exclude_tasks"]
 
 
 class Response:
@@ -39,8 +39,26 @@ class Response:
         self.info = info or {}
 
 
+def exclude_tasks(pool, exclude, key) -> list:
+    """``pool`` without the tasks whose ``key(task)`` is in ``exclude`` (a trainer's
+    ``--drop-long-tasks``); refuses to leave nothing."""
+    if not exclude:
+        return list(pool)
+    drop = set(exclude)
+    kept = [t for t in pool if key(t) not in drop]
+    if not kept:
+        raise ValueError(f"exclude_tasks: excludes every one of the {len(pool)} tasks")
+    return kept
+
+
 class ToolEnv(Env):
-    """Args: toolbox (the tools), max_turns (assistant turns before truncation)."""
+    """Args: toolbox (the tools), max_turns (assistant turns before truncation).
+
+    Subclasses draw their tasks from ``self.pool`` and say what a task's first messages are
+    (:meth:`_first_messages`) and its id (:meth:`_task_key`), so that :meth:`task_prompts` lists
+    every prompt of the split."""
+
+    turn_budget = 512  # tokens a turn (a tool call, a short reasoning, an answer)
 
     def __init__(self, toolbox: ToolBox, *, max_turns: int):
         if max_turns < 1:
@@ -66,13 +84,32 @@ class ToolEnv(Env):
     def _task_id(self) -> str:
         return type(self).__name__
 
+    def _task_key(self, task) -> str:
+        """The id of one task of ``self.pool`` (what ``exclude_tasks`` names)."""
+        return task.task_id
+
+    def _first_messages(self, task) -> list[dict]:
+        """The messages an episode of ``task`` starts with."""
+        raise NotImplementedError
+
+    def _schemas_for(self, task) -> list[dict]:
+        """The tool schemas an episode of ``task`` is offered (default: the same for all)."""
+        return self.tools
+
+    def task_prompts(self):
+        for task in self.pool:
+            yield self._task_key(task), self._first_messages(task), self._schemas_for(task)
+
     @property
     def task_id(self) -> str:
         return self._task_id()
 
+    chat_format = True  # speaks a chat template: the trainer may give it a checkpoint's codec
+
     @property
     def codec(self):
-        """Qwen3's chat format with the real tokenizer (loaded on first use)."""
+        """The bundled Qwen3 chat format with the real tokenizer (loaded on first use); a trainer
+        with a checkpoint uses that checkpoint's own (:func:`envs.chat.chat_format`)."""
         from envs.chat import (
             qwen3_chat_format,  # the tokenizer loads only when a codec is asked for
         )

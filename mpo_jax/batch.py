@@ -37,6 +37,8 @@ from mpo_jax.segments import (
 __all__ = [
     "TurnBatch",
     "FIELD_FILL",
+    "TOKEN_FIELDS",
+    "padded_length",
     "pad_width",
     "pad_trailing",
     "validate",
@@ -125,6 +127,29 @@ class TurnBatch:
         """The batch of the given rows (an index array or slice), every field alike."""
         return self.replace(**{n: v[rows] for n, v in self.present().items()})
 
+    def row_lengths(self) -> np.ndarray:
+        """[B] tokens of each row up to and including its last action token (0 for a row without
+        one): everything a loss, a value or a log-prob of an action token reads."""
+        mask = np.asarray(self.loss_mask)
+        t = mask.shape[1]
+        return np.where(mask.any(1), t - np.argmax(mask[:, ::-1], axis=1), 0)
+
+    def narrow(self, width: int) -> TurnBatch:
+        """The batch with its [B, T] token fields cut (or padded with each field's fill) to
+        ``width`` columns; per-row and per-turn fields unchanged. Cutting changes no loss, value
+        or log-prob of an action token when ``width`` >= every :meth:`row_lengths`."""
+        out = {}
+        for name in TOKEN_FIELDS:
+            x = getattr(self, name)
+            if x is not None:
+                x = np.asarray(x)
+                out[name] = (
+                    x[:, :width]
+                    if x.shape[1] >= width
+                    else pad_width(x, width, FIELD_FILL.get(name, 0))
+                )
+        return self.replace(**out)
+
     @classmethod
     def concatenate(cls, batches: list[TurnBatch]) -> TurnBatch:
         """The rows of several batches (on the host, NumPy), in order. Ragged trailing widths
@@ -147,6 +172,16 @@ class TurnBatch:
 
 # The value a field is padded with where rows differ in width: "no turn", "no key", "no boundary".
 FIELD_FILL: dict[str, Any] = {"turn_ids": -1, "step_keys": -1, "boundary_mask": False}
+
+
+def padded_length(n: int, *, cap: int | None = None, minimum: int = 16) -> int:
+    """The width a batch whose longest row has ``n`` tokens is padded to: the smallest of the
+    buckets 2^k and 3·2^(k-1) (at least ``minimum``) that holds n, and at most ``cap``. Buckets
+    keep the number of compiled shapes small (two per doubling) and the padding under a third."""
+    width = minimum
+    while width < n:
+        width = width * 3 // 2 if width & (width - 1) == 0 else width * 4 // 3
+    return width if cap is None else min(width, max(cap, n))
 
 
 def pad_width(x: np.ndarray, width: int, fill) -> np.ndarray:
@@ -179,6 +214,8 @@ _TOKEN_FLOAT_FIELDS = (
     "advantages",
     "returns",
 )
+# Every [B, T] field: what :meth:`TurnBatch.narrow` cuts.
+TOKEN_FIELDS = ("tokens", "loss_mask", "turn_ids", *_TOKEN_FLOAT_FIELDS)
 
 
 def _first_bad_row(bad: np.ndarray) -> tuple[int, int]:

@@ -111,3 +111,185 @@ def test_tool_call_round_trip_and_hostile_text():
         (result,) = parse_tool_calls(text)
         assert isinstance(result, ToolCallError), text[:40]
         assert reason in result.reason
+
+
+# -- the checkpoint's own format: the codec against the template's own apply_chat_template ------
+
+# A Qwen3-2507 Instruct-style template: ChatML with tools, no think block anywhere (written here
+# as those releases ship it in spirit: the hybrid template without its reasoning handling).
+INSTRUCT_2507 = """
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+    {{- '# Tools\\n\\n<tools>' }}
+    {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+    {{- '\\n</tools><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+# A conversation with tools, tool responses (two in one observation) and several turns: each
+# entry is (what the model wrote, what the environment answered).
+REASONING = ["I should search first.", "Two documents to open.", "", "Now I can answer."]
+TURNS = [
+    (format_tool_call("search", {"query": "capital of France"}), ["doc1: Paris ..."]),
+    (
+        format_tool_call("search", {"query": "Paris population"})
+        + "\n"
+        + format_tool_call("search", {"query": "Paris area"}),
+        ["doc2: 2.1 million", "doc3: 105 km2"],
+    ),
+    ("Paris has 2.1 million people.", None),  # a user follow-up comes next
+    ("<answer>Paris</answer>", None),
+]
+FOLLOW_UP = "And its area?"
+
+
+def _formats():
+    tok = load_tokenizer.__wrapped__()  # an instance of our own: its template is changed below
+    tok.chat_template = INSTRUCT_2507
+    return {
+        "hybrid-thinking-off": ChatFormat(load_tokenizer(), enable_thinking=False),
+        "hybrid-thinking-on": ChatFormat(load_tokenizer(), enable_thinking=True),
+        "instruct-2507": ChatFormat(tok),
+    }
+
+
+FORMATS = ("hybrid-thinking-off", "hybrid-thinking-on", "instruct-2507")
+
+
+@pytest.fixture(scope="module")
+def formats():
+    return _formats()
+
+
+def _written(name, k):
+    """What the model writes on turn k under each format (a thinking model reasons first)."""
+    text = TURNS[k][0]
+    if name == "hybrid-thinking-on":
+        return f"<think>\n{REASONING[k]}\n</think>\n\n{text}"
+    return text
+
+
+def _conversation(chat, name, turns):
+    """(the codec's ids of the whole conversation, the chat messages it stands for)."""
+    messages = [
+        {"role": "system", "content": "You are a researcher."},
+        {"role": "user", "content": "Q?"},
+    ]
+    ids = chat.prompt(messages, tools=TOOLS)
+    for k in range(turns):
+        written = _written(name, k)
+        ids += chat.encode(written) + list(chat.end_of_turn)  # as sampled, the stop included
+        messages.append({"role": "assistant", "content": written})
+        responses, user = TURNS[k][1] or [], (FOLLOW_UP if TURNS[k][1] is None else None)
+        if k == turns - 1:
+            break
+        ids += chat.observation_ids(responses, user)
+        messages += [{"role": "tool", "content": r} for r in responses]
+        if user is not None:
+            messages.append({"role": "user", "content": user})
+    return ids, messages
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_turn_the_codec_appends_what_the_template_renders(formats, name):
+    # At every turn, the context the policy samples from is the template's own rendering of the
+    # conversation so far: the codec's prompt, then for each turn the sampled ids and exactly the
+    # tokens the template puts between that turn and the next generation prompt.
+    chat = formats[name]
+    for turns in range(1, len(TURNS)):
+        ids, messages = _conversation(chat, name, turns)
+        responses, user = TURNS[turns - 1][1] or [], TURNS[turns - 1][1] is None
+        history = messages + [{"role": "tool", "content": r} for r in responses]
+        if user:
+            history.append({"role": "user", "content": FOLLOW_UP})
+        rendered = chat.tokenizer.apply_chat_template(
+            history, tools=TOOLS, add_generation_prompt=True, tokenize=False,
+            enable_thinking=chat.enable_thinking,
+        )  # fmt: skip
+        last = TURNS[turns - 1][0] + chat.eot_text  # the turn's content, however it is rendered
+        segment = rendered[rendered.rindex(last) + len(last) :]
+        observation = chat.observation_ids(responses, FOLLOW_UP if user else None)
+        assert chat.decode(observation) == segment
+        assert observation == chat.encode(segment)
+        # and the whole context, rendered once by the template, tokenises to the codec's ids
+        if name == "instruct-2507":
+            assert ids + observation == chat.encode(rendered)
+    first = chat.tokenizer.apply_chat_template(
+        messages[:2], tools=TOOLS, add_generation_prompt=True, tokenize=False,
+        enable_thinking=chat.enable_thinking,
+    )  # fmt: skip
+    assert chat.prompt(messages[:2], tools=TOOLS) == chat.encode(first)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_the_whole_conversation_is_the_templates_tokens(formats, name):
+    # The template's one rendering of the finished conversation, tokenised, is the codec's ids,
+    # wherever the template keeps turns as they were sampled: the 2507 Instruct template always,
+    # the hybrid one with thinking on within one user query (turns 0-1). Where the hybrid
+    # template does not (it drops the empty <think></think> that thinking-off generation prompts
+    # carry, and reasoning before the last user query, when it renders a turn after the fact),
+    # the codec keeps what the policy saw when it sampled (token-in/token-out), and the two
+    # differ by exactly those blocks.
+    chat = formats[name]
+    for turns in (2, len(TURNS)):
+        ids, messages = _conversation(chat, name, turns)
+        rendered = chat.tokenizer.apply_chat_template(
+            messages, tools=TOOLS, tokenize=False, enable_thinking=chat.enable_thinking
+        )
+        expected = chat.encode(rendered.removesuffix("\n"))  # the template's newline after the end
+        if name == "instruct-2507" or (name == "hybrid-thinking-on" and turns == 2):
+            assert ids == expected
+            continue
+        text, want = chat.decode(ids), rendered.removesuffix("\n")
+        if name == "hybrid-thinking-off":
+            empty = "<think>\n\n</think>\n\n"
+            assert text.count(empty) == turns and want.count(empty) == 1  # the last turn's
+            dropped = text.replace("<|im_start|>assistant\n" + empty, "<|im_start|>assistant\n")
+            assert dropped == want.replace(
+                "<|im_start|>assistant\n" + empty, "<|im_start|>assistant\n"
+            )
+        else:  # thinking on, a follow-up question: reasoning before it is dropped by a re-render
+            for k in (0, 1):
+                assert REASONING[k] in text and REASONING[k] not in want
+            assert REASONING[3] in text and REASONING[3] in want
+
+
+def test_the_codec_reads_the_templates_pieces_and_refuses_what_it_cannot_speak(formats):
+    off, on, instruct = (formats[n] for n in FORMATS)
+    assert off.generation_prompt == "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert on.generation_prompt == instruct.generation_prompt == "<|im_start|>assistant\n"
+    assert off.hybrid and on.hybrid and not instruct.hybrid
+    assert off.end_of_turn == (off.tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    assert set(off.stop_ids) == {off.im_end, off.tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    # the environment reads the turn without the stop token and without its reasoning
+    turn = on.encode("<think>\nmaybe <answer>x</answer>\n</think>\n\n<answer>y</answer>")
+    assert on.turn_text(turn + [on.im_end]) == "<answer>y</answer>"
+    from envs.chat import ChatTemplateError
+
+    tok = load_tokenizer.__wrapped__()
+    tok.chat_template = INSTRUCT_2507.replace("<|im_end|>", "<|END|>")  # not a token
+    with pytest.raises(ChatTemplateError, match=r"ends an assistant turn with '<\|END\|>'"):
+        ChatFormat(tok, source="ckpt/tokenizer_config.json")
+    tok.chat_template = None
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ChatFormat(tok)
+    with pytest.raises(ChatTemplateError, match=r"151669 ids but the model has 128 embedding"):
+        off.check_vocabulary(128)

@@ -19,6 +19,7 @@ from envs.chat import format_tool_call
 from envs.search.index import SearchIndex, default_index
 from envs.search.questions import Question, exact_match, f1_score, questions
 from envs.tool_env import Response, ToolEnv
+from envs.tool_env import exclude_tasks as exclude_tasks_
 from envs.tools import Tool, ToolBox, ToolResult
 
 __all__ = ["SearchEnv", "SYSTEM_PROMPT"]
@@ -36,7 +37,8 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 class SearchEnv(ToolEnv):
     """Args: seed (which question), split ('train' | 'test'), max_turns, question (a fixed
-    :class:`Question`, overriding the draw), index (defaults to the cached corpus index)."""
+    :class:`Question`, overriding the draw), index (defaults to the cached corpus index),
+    exclude_tasks (question ids never drawn)."""
 
     def __init__(
         self,
@@ -47,10 +49,11 @@ class SearchEnv(ToolEnv):
         top_k: int = 5,
         question: Question | None = None,
         index: SearchIndex | None = None,
+        exclude_tasks: list[str] | None = None,
     ):
         self.index = index or default_index()
         self.split = split
-        self.pool = questions(split)
+        self.pool = exclude_tasks_(questions(split), exclude_tasks, lambda q: q.qid)
         self.rng = np.random.default_rng(seed)
         self.fixed_question = question
         self.top_k = top_k
@@ -109,13 +112,21 @@ class SearchEnv(ToolEnv):
     def gold_answer(self) -> str | None:
         return self.question.answer if self.question else None
 
+    gold_answers = True
+
+    def _task_key(self, task: Question) -> str:
+        return task.qid
+
+    def _first_messages(self, task: Question) -> list[dict]:
+        return [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": task.question},
+        ]
+
     def _start(self) -> list[dict]:
         self.question = self.fixed_question or self.pool[int(self.rng.integers(len(self.pool)))]
         self.retrieved = set()
-        return [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": self.question.question},
-        ]
+        return self._first_messages(self.question)
 
     def evidence_recall(self) -> float:
         evidence = set(self.question.evidence)
