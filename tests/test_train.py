@@ -74,7 +74,8 @@ def test_every_preset_completes_two_steps(preset, tmp_path):
 
 
 def leaves(state):
-    return [np.asarray(x) for x in jax.tree.leaves({k: state[k] for k in ("actor", "critic")})]
+    parts = {k: state[k] for k in ("actor", "critic") if k in state}
+    return [np.asarray(x) for x in jax.tree.leaves(parts)]
 
 
 def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path):
@@ -327,11 +328,18 @@ def test_evaluation_is_held_out_and_fresh_under_their_own_names(tmp_path):
     assert set(out) == {
         f"eval_{name}_{what}"
         for name in ("heldout", "fresh")
-        for what in ("success_rate", "pass@1", "pass@2")
+        for what in ("success_rate", "pass@1", "pass@2", "env_tool_calls")
     }
-    held, _ = trainer._envs(0, 4, 2, trainer.eval_options, offset=run.EVAL_TASK_OFFSET)
+    from train.episodes import EVAL_TASK_OFFSET, make_episodes
+
+    def episodes(options, offset=0):
+        return make_episodes(
+            "synthetic-nav", seed=0, step=0, prompts=4, group=2, options=options, offset=offset
+        )[0]
+
+    held = episodes(trainer.eval_options, EVAL_TASK_OFFSET)
     assert {e.split for e in held} == {"test"}
-    train_envs, _ = trainer._envs(0, 4, 2, trainer.env_options)
+    train_envs = episodes(trainer.env_options)
     assert {e.split for e in train_envs} == {"train"}
 
 

@@ -25,20 +25,30 @@ from typing import Any
 
 __all__ = [
     "TrainConfig",
+    "TINY_DEFAULTS",
+    "PRETRAINED_DEFAULTS",
     "HELP",
     "RESUMABLE",
     "parse_args",
     "save_config",
     "read_run_config",
     "check_mesh_fit",
-    "DEFAULT_MAX_LEN",
 ]
 
-# The length budget of environments that cannot say how long their longest episode is.
-DEFAULT_MAX_LEN = 8192
 
 # Fields that may differ from the run's config.json on --resume (they change no computed number).
 RESUMABLE = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "progress")
+
+
+# Optimisation defaults: for the tiny random model of the default run, and for a pretrained
+# checkpoint (--model-path / --init-from), where the tiny model's rates would wreck the weights in
+# a few updates. Pretrained: the learning rates of verl's and OpenRLHF's PPO recipes for 0.5B-8B
+# models (actor 1e-6, critic 1e-5), no entropy bonus (a pretrained policy's entropy is not
+# collapsing at the start), and a 20-step warmup while the fresh value head settles.
+TINY_DEFAULTS = {"lr": 1e-3, "critic_lr": 2e-3, "entropy_coef": 0.02, "warmup_steps": 10}
+PRETRAINED_DEFAULTS = {"lr": 1e-6, "critic_lr": 1e-5, "entropy_coef": 0.0, "warmup_steps": 20}
+DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full", "dots")
 
 
 @dataclasses.dataclass
@@ -47,11 +57,20 @@ class TrainConfig:
     preset: str = "mpo"
     env: str = "synthetic-nav"
     model_path: str | None = None
+    init_from: str | None = None
+    tokenizer_path: str | None = None
+    enable_thinking: bool = False
+    critic_from: str | None = None
     # The tiny random model (ignored with --model-path)
     layers: int = 2
     width: int = 64
     heads: int = 4
     kv_heads: int = 2
+    # Precision and memory
+    param_dtype: str = "float32"
+    compute_dtype: str = "auto"
+    opt_dtype: str = "float32"
+    remat: str = "none"
     # Parallelism
     mesh: str = ""
     # Rollouts
@@ -60,14 +79,15 @@ class TrainConfig:
     group_size: int = 4
     max_len: int = 0
     max_new_tokens: int = 0
+    drop_long_tasks: bool = False
     temperature: float = 1.0
-    # Optimisation
-    lr: float = 1e-3
-    critic_lr: float = 2e-3
-    warmup_steps: int = 10
+    # Optimisation (None: TINY_DEFAULTS, or PRETRAINED_DEFAULTS with a checkpoint)
+    lr: float | None = None
+    critic_lr: float | None = None
+    warmup_steps: int | None = None
     grad_clip: float = 1.0
     weight_decay: float = 0.0
-    entropy_coef: float = 0.02
+    entropy_coef: float | None = None
     epochs: int = 1
     minibatches: int = 2
     micro_batches: int = 1
@@ -107,7 +127,30 @@ class TrainConfig:
         """Rows of one micro-batch: the step's rollouts over minibatches x micro-batches."""
         return self.prompts_per_step * self.group_size // (self.minibatches * self.micro_batches)
 
+    @property
+    def pretrained(self) -> bool:
+        """Whether the run starts from a checkpoint (its optimisation defaults differ)."""
+        return bool(self.model_path or self.init_from)
+
+    def defaulted(self) -> dict[str, Any]:
+        """The optimisation defaults this configuration takes (for fields left at None)."""
+        table = PRETRAINED_DEFAULTS if self.pretrained else TINY_DEFAULTS
+        return {k: v for k, v in table.items() if getattr(self, k) is None}
+
     def __post_init__(self):
+        defaulted = self.defaulted()
+        # which optimisation settings took a default (not a field: config.json records values)
+        self.defaulted_fields = tuple(sorted(defaulted))
+        for name, value in defaulted.items():
+            setattr(self, name, value)
+        for name, valid in (
+            ("param_dtype", DTYPES),
+            ("opt_dtype", DTYPES),
+            ("compute_dtype", (*DTYPES, "auto")),
+            ("remat", REMAT),
+        ):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {valid}")
         positive = (
             "steps prompts_per_step group_size epochs minibatches micro_batches eval_k "
             "checkpoint_every keep_checkpoints layers width heads kv_heads"
@@ -158,7 +201,25 @@ def check_mesh_fit(cfg: TrainConfig, batch_ways: int, processes: int = 1) -> Non
 HELP: dict[str, str] = {
     "preset": "algorithm preset of mpo_jax.algorithms (mpo, ppo, turn_ppo, grpo, ...)",
     "env": "environment name (envs.list_envs())",
-    "model_path": "a Hugging Face Qwen3 folder to start from (default: a tiny random model)",
+    "model_path": "a Hugging Face Qwen3 folder to start from (default: a tiny random model); "
+    "its tokenizer and chat template become the chat environments' format",
+    "init_from": "start from this checkpoint instead: a Hugging Face folder (an export of "
+    "train.export) or a run directory of train.run / train.sft (its latest actor); it is also the "
+    "reference model",
+    "tokenizer_path": "the tokenizer and chat template of the chat environments (default: the "
+    "checkpoint's own, or the bundled Qwen3 one without a checkpoint)",
+    "enable_thinking": "passed to the chat template (a hybrid Qwen3 template adds an empty "
+    "<think></think> to generation prompts when off)",
+    "critic_from": "initialise the critic's trunk from this Hugging Face folder (default: a copy "
+    "of the policy's)",
+    "param_dtype": f"parameters (master weights) dtype, one of {DTYPES}",
+    "compute_dtype": "activations, matmul inputs and the sampler's KV cache: float32, bfloat16, "
+    "or auto (bfloat16 on GPU/TPU, float32 on CPU)",
+    "opt_dtype": f"optimizer moments dtype, one of {DTYPES}",
+    "remat": f"what each decoder layer keeps for the backward pass, one of {REMAT} (full: its "
+    "input only; dots: matmul outputs)",
+    "drop_long_tasks": "drop the tasks whose prompt plus one turn does not fit --max-len "
+    "(counted at start-up) instead of refusing to start",
     "layers": "layers of the tiny random model",
     "width": "hidden width of the tiny random model",
     "heads": "attention heads of the tiny random model",
@@ -168,16 +229,20 @@ HELP: dict[str, str] = {
     "steps": "training steps (may change on --resume)",
     "prompts_per_step": "tasks a step",
     "group_size": "rollouts per task (the GRPO-family groups)",
-    "max_len": "token budget of an episode; 0: the environment's longest episode, or "
-    f"{DEFAULT_MAX_LEN} when it cannot say",
+    "max_len": "token budget of an episode; 0: the environment's longest episode, or 8192 when "
+    "it cannot say",
     "max_new_tokens": "tokens a turn; 0: the environment's turn length (256 if it has none)",
     "temperature": "sampling temperature of rollouts and evaluation",
-    "lr": "actor learning rate (AdamW)",
-    "critic_lr": "critic learning rate (AdamW)",
-    "warmup_steps": "training steps of linear learning-rate warmup (0 or 1: none)",
+    "lr": f"actor learning rate (AdamW); default {TINY_DEFAULTS['lr']}, "
+    f"{PRETRAINED_DEFAULTS['lr']} from a checkpoint",
+    "critic_lr": f"critic learning rate (AdamW); default {TINY_DEFAULTS['critic_lr']}, "
+    f"{PRETRAINED_DEFAULTS['critic_lr']} from a checkpoint",
+    "warmup_steps": "training steps of linear learning-rate warmup (0 or 1: none); default "
+    f"{TINY_DEFAULTS['warmup_steps']}, {PRETRAINED_DEFAULTS['warmup_steps']} from a checkpoint",
     "grad_clip": "global gradient-norm clip",
     "weight_decay": "AdamW weight decay",
-    "entropy_coef": "entropy bonus on action tokens (0: none)",
+    "entropy_coef": f"entropy bonus on action tokens (0: none); default "
+    f"{TINY_DEFAULTS['entropy_coef']}, {PRETRAINED_DEFAULTS['entropy_coef']} from a checkpoint",
     "epochs": "passes over a step's rollouts",
     "minibatches": "optimizer updates per epoch",
     "micro_batches": "gradient-accumulation parts of a minibatch",
@@ -239,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         flag, tp = _flag(f.name), _base_type(hints[f.name])
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        text = f"{HELP[f.name]} (default: {default!r})"
+        text = HELP[f.name] if default is None else f"{HELP[f.name]} (default: {default!r})"
         if f.name in _DICT_FIELDS:
             parser.add_argument(flag, nargs="*", metavar="KEY=VALUE", default=None, help=text)
         elif tp is bool:

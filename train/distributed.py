@@ -122,7 +122,16 @@ def _gather_width(x: np.ndarray, fill) -> np.ndarray:
     return gather_array(pad_width(x, width, fill))
 
 
-_EPISODE_FIELDS = ("success", "reward", "turns", "tokens", "truncated", "length_cut", "errors")
+_EPISODE_FIELDS = (
+    "success",
+    "reward",
+    "turns",
+    "turns_cut",
+    "tokens",
+    "truncated",
+    "length_cut",
+    "errors",
+)
 _FLAGS = ("success", "truncated", "length_cut")
 
 

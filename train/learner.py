@@ -2,11 +2,15 @@
 jitted actor and critic updates.
 
 Everything here is a pure function of parameter pytrees and arrays; models enter as nnx graphdefs
-(``nnx.split``) so that ``jax.jit`` sees plain pytrees. Conventions on [B, T] token arrays:
+(``nnx.split``) so that ``jax.jit`` sees plain pytrees. The trunk reads whole token rows
+``tokens`` [B, T]; everything a loss reads is computed at the action tokens alone, compacted to
+[B, A] by :class:`ActionRows` (``positions[b, a]`` is the a-th action token of row b): the
+151,936-way softmax of the LM head runs on the tokens the policy sampled, not on prompts,
+observations and padding. Conventions at a position p = positions[b, a]:
 
-* ``logp[b, t] = log π(tokens[b, t] | tokens[b, :t])`` at temperature τ (0 at t = 0);
-* ``values[b, t] = V(tokens[b, :t])``, the critic's value of the state before token t, read from
-  the hidden state at t - 1 (0 at t = 0).
+* ``logp[b, a] = log π(tokens[b, p] | tokens[b, :p])`` at temperature τ;
+* ``values[b, a] = V(tokens[b, :p])``, the critic's value of the state before the token, read
+  from the hidden state at p - 1.
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
+from flax import nnx, struct
 
 from kernels.logprobs import logprobs_and_entropy
 from mpo_jax import losses
 from mpo_jax.algorithms import Algorithm
-from mpo_jax.batch import TurnBatch
+from mpo_jax.batch import FIELD_FILL, TurnBatch, padded_length
 
 __all__ = [
     "Models",
@@ -31,6 +35,7 @@ __all__ = [
     "token_logprobs",
     "token_values",
     "values_and_bootstrap",
+    "ActionRows",
     "answer_logprobs",
     "UpdateFns",
     "loss_fields",
@@ -72,38 +77,100 @@ def make_optimizer(
     return optax.apply_if_finite(inner, max_consecutive_errors=2**30)
 
 
-def _shift_right(x):
-    return jnp.pad(x[:, :-1], ((0, 0), (1, 0)))
+@struct.dataclass
+class ActionRows:
+    """A micro-batch as the device sees it: whole token rows for the trunk, and every per-token
+    field the losses read at the action tokens alone, compacted to [B, A] (order kept; turn ids
+    stay consecutive, so every estimator and aggregation reads them as it reads [B, T] rows).
+
+    Attributes:
+      tokens: [B, T] int token ids (T: the group's longest row, padded).
+      positions: [B, A] int, the column of each action token (0 past a row's last one).
+      loss_mask: [B, A] bool, True on real action tokens; turn_ids: [B, A] int (-1 off them).
+      old_logp, advantages, ref_logp, values, returns: [B, A] float, where the loss reads them.
+    """
+
+    tokens: Any
+    positions: Any
+    loss_mask: Any
+    turn_ids: Any
+    old_logp: Any = None
+    advantages: Any = None
+    ref_logp: Any = None
+    values: Any = None
+    returns: Any = None
+
+    @classmethod
+    def of(cls, batch: TurnBatch, names=(), *, width: int | None = None) -> ActionRows:
+        """The rows of ``batch`` compacted (host side): ``tokens`` narrowed to ``width`` (default:
+        the padded length of the longest row), the ``names`` fields gathered at the action tokens,
+        A the padded length of the largest action count."""
+        mask = np.asarray(batch.loss_mask, bool)
+        counts = mask.sum(axis=1)
+        a = padded_length(int(counts.max(initial=1)), minimum=8)
+        order = np.argsort(~mask, axis=1, kind="stable")[:, :a]  # action columns first, in order
+        if order.shape[1] < a:
+            order = np.pad(order, ((0, 0), (0, a - order.shape[1])))
+        valid = np.arange(a)[None] < counts[:, None]
+        positions = np.where(valid, order, 0).astype(np.int32)
+        if width is None:
+            width = padded_length(int(batch.row_lengths().max(initial=1)), cap=mask.shape[1])
+        fields = {}
+        for name in names:
+            x = np.take_along_axis(np.asarray(getattr(batch, name)), positions, axis=1)
+            fields[name] = np.where(valid, x, FIELD_FILL.get(name, 0)).astype(x.dtype)
+        turn_ids = np.where(valid, np.take_along_axis(batch.turn_ids, positions, axis=1), -1)
+        return cls(
+            tokens=np.asarray(batch.tokens)[:, :width],
+            positions=positions,
+            loss_mask=valid,
+            turn_ids=turn_ids.astype(np.int32),
+            **fields,
+        )
+
+    def scatter(self, values, shape) -> np.ndarray:
+        """[B, A] values back to their [B, T] columns (zeros elsewhere), on the host."""
+        out = np.zeros(shape, np.float32)
+        rows, slots = np.nonzero(np.asarray(self.loss_mask))
+        out[rows, np.asarray(self.positions)[rows, slots]] = np.asarray(values)[rows, slots]
+        return out
 
 
-def token_logprobs(graphdef, params, tokens, *, temperature: float = 1.0):
-    """(logp, entropy), each [B, T] float32, under the actor at ``temperature``."""
+def _before(hidden, positions):
+    """[B, A, D]: the hidden state that predicts each position's token (the one at p - 1)."""
+    return jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1)
+
+
+def token_logprobs(graphdef, params, tokens, positions, *, temperature: float = 1.0):
+    """(logp, entropy) [B, A] float32 of ``tokens[b, positions[b, a]]`` under the actor at
+    ``temperature``, given the tokens before it."""
     model = nnx.merge(graphdef, params)
     hidden = model.model(tokens)
     weight, axis = model.lm_head()
-    logp, ent = logprobs_and_entropy(
-        hidden[:, :-1], weight, tokens[:, 1:], temperature=temperature, vocab_axis=axis
+    targets = jnp.take_along_axis(tokens, positions, axis=1)
+    return logprobs_and_entropy(
+        _before(hidden, positions), weight, targets, temperature=temperature, vocab_axis=axis
     )
-    pad = ((0, 0), (1, 0))
-    return jnp.pad(logp, pad), jnp.pad(ent, pad)
 
 
-def token_values(graphdef, params, tokens):
-    """[B, T] values of the state before each token."""
+def token_values(graphdef, params, tokens, positions):
+    """[B, A] values of the state before each position's token."""
     model = nnx.merge(graphdef, params)
-    return _shift_right(model(tokens))
+    hidden = model.model(tokens)
+    return model.value_head(_before(hidden, positions).astype(jnp.float32))[..., 0]
 
 
-def values_and_bootstrap(graphdef, params, tokens, lengths):
-    """(values [B, T], bootstrap [B]): the values of :func:`token_values` and, per row, the value
-    of the whole conversation ``tokens[b, :lengths[b]]`` (the state after its last token), which
-    is the bootstrap value of a truncated episode. It is the value the critic reads at the first
-    padding position, available even for a row that fills all T positions."""
+def values_and_bootstrap(graphdef, params, tokens, positions, lengths):
+    """(values [B, A], bootstrap [B]): the values of :func:`token_values` and, per row, the value
+    of the conversation ``tokens[b, :lengths[b]]`` (the state after its last token), which is
+    the bootstrap value of a truncated episode; it exists even for a row filling all T columns."""
     model = nnx.merge(graphdef, params)
-    after = model(tokens)  # after[b, t] = V(tokens[b, : t + 1])
+    hidden = model.model(tokens).astype(jnp.float32)
+    values = model.value_head(_before(hidden, positions))[..., 0]
     last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)
-    boot = jnp.take_along_axis(after, last[:, None], axis=1)[:, 0]
-    return _shift_right(after), jnp.where(lengths > 0, boot, 0)
+    after = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
+    boot = model.value_head(after)[:, 0, 0]
+    return values, jnp.where(lengths > 0, boot, 0)
 
 
 def answer_logprobs(graphdef, params, tokens, prefix_lengths, answer, answer_len):
@@ -132,8 +199,17 @@ def answer_logprobs(graphdef, params, tokens, prefix_lengths, answer, answer_len
     return jnp.sum(jnp.where(present, logp, 0), axis=1) / jnp.maximum(answer_len, 1)
 
 
+def _cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
 class UpdateFns:
-    """Jitted loss-and-gradient functions and the guarded optimizer step for one preset."""
+    """Jitted loss-and-gradient functions and the guarded optimizer step for one preset.
+
+    The optimizer runs in ``opt_dtype`` (its moments are held in it) whatever the parameters'
+    dtype: gradients and parameters are cast to it for the update, and the update is added to the
+    parameters in float32 before they are cast back (``--param-dtype``/``--opt-dtype``).
+    """
 
     def __init__(
         self,
@@ -144,18 +220,26 @@ class UpdateFns:
         *,
         temperature,
         entropy_coef: float = 0.0,
+        opt_dtype: Any = jnp.float32,
     ):
         self.models, self.algo = models, algo
         self.entropy_coef = entropy_coef
         self.actor_tx, self.critic_tx = actor_tx, critic_tx
         self.temperature = temperature
+        self.opt_dtype = jnp.dtype(opt_dtype)
         self.actor_grad = jax.jit(jax.value_and_grad(self._actor_loss, has_aux=True))
         self.critic_grad = jax.jit(jax.value_and_grad(self._critic_loss, has_aux=True))
-        self.apply = jax.jit(self._apply, static_argnums=(0,))
+        # parameters and optimizer state are donated: the update writes in place
+        self.apply = jax.jit(self._apply, static_argnums=(0,), donate_argnums=(1, 2))
+        self.init = jax.jit(self._init, static_argnums=(0,))  # follows the params' sharding
 
-    def _actor_loss(self, params, mb: TurnBatch, normalizer, token_count):
+    def _init(self, which, params):
+        tx = self.actor_tx if which == "actor" else self.critic_tx
+        return tx.init(_cast(params, self.opt_dtype))
+
+    def _actor_loss(self, params, mb: ActionRows, normalizer, token_count):
         logp, ent = token_logprobs(
-            self.models.actor, params, mb.tokens, temperature=self.temperature
+            self.models.actor, params, mb.tokens, mb.positions, temperature=self.temperature
         )
         loss, metrics = losses.policy_loss(
             logp,
@@ -177,8 +261,8 @@ class UpdateFns:
             metrics["kl_sum"] = kl_sum
         return loss, metrics
 
-    def _critic_loss(self, params, mb: TurnBatch, normalizer):
-        values = token_values(self.models.critic, params, mb.tokens)
+    def _critic_loss(self, params, mb: ActionRows, normalizer):
+        values = token_values(self.models.critic, params, mb.tokens, mb.positions)
         loss, metrics = losses.value_loss(
             values,
             mb.values,
@@ -197,16 +281,22 @@ class UpdateFns:
         tx = self.actor_tx if which == "actor" else self.critic_tx
         # a non-finite loss poisons the gradients, so apply_if_finite's one check covers both
         grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(loss), g, jnp.nan), grads)
-        updates, new_state = tx.update(grads, opt_state, params)
+        grads = _cast(grads, self.opt_dtype)
+        updates, new_state = tx.update(grads, opt_state, _cast(params, self.opt_dtype))
         ok = new_state.last_finite
         norm = jnp.where(ok, optax.tree.norm(grads), 0.0)
-        return optax.apply_updates(params, updates), new_state, ok, norm
+        new_params = jax.tree.map(
+            lambda p, u: (p.astype(jnp.float32) + u.astype(jnp.float32)).astype(p.dtype),
+            params,
+            updates,
+        )
+        return new_params, new_state, ok, norm
 
 
 def loss_fields(algo: Algorithm) -> tuple[str, ...]:
-    """The batch fields the actor and critic losses of ``algo`` read (a fixed structure for
-    jit: the ragged TRACE and GiGPO fields stay out)."""
-    names = ["tokens", "loss_mask", "turn_ids", "old_logp", "advantages"]
+    """The per-token fields the actor and critic losses of ``algo`` read beside tokens, mask and
+    turn ids (a fixed structure for jit: the ragged TRACE and GiGPO fields stay out)."""
+    names = ["old_logp", "advantages"]
     if algo.kl_coef:
         names.append("ref_logp")
     if algo.needs_critic:
@@ -214,7 +304,9 @@ def loss_fields(algo: Algorithm) -> tuple[str, ...]:
     return tuple(names)
 
 
-def split_micro(batch: TurnBatch, parts: int):
-    """Splits the rows of a minibatch into ``parts`` micro-batches."""
+def split_micro(batch: TurnBatch, parts: int, names=()):
+    """Splits the rows of a minibatch into ``parts`` micro-batches as :class:`ActionRows`: tokens
+    narrowed to the padded length of the micro-batch's longest row (what a loss reads ends at a
+    row's last action token), the ``names`` fields compacted to its action tokens."""
     for chunk in np.array_split(np.arange(len(batch.tokens)), parts):
-        yield batch.take_rows(chunk)
+        yield ActionRows.of(batch.take_rows(chunk), names)

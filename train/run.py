@@ -33,9 +33,17 @@ import envs
 from envs.rollout import EPISODE_FIGURES, collect
 from mpo_jax import algorithms, diagnostics, losses
 from mpo_jax.batch import TurnBatch, num_turns, validate
+from train.build import compute_dtype as resolve_compute_dtype
+from train.build import (
+    initial_actor,
+    initial_critic,
+    model_config,
+    model_source,
+    needs_reference,
+    run_codec,
+)
 from train.checkpoint import Checkpoints
 from train.config import (
-    DEFAULT_MAX_LEN,
     RESUMABLE,
     TrainConfig,
     check_mesh_fit,
@@ -44,64 +52,93 @@ from train.config import (
 )
 from train.config import save_config as write_config
 from train.distributed import (
-    gather_array,
     gather_rollouts,
-    host_share,
     initialize_from_env,
     is_multiprocess,
     put_global,
     to_host,
 )
-from train.learner import (
-    Models,
-    UpdateFns,
-    answer_logprobs,
-    loss_fields,
-    make_optimizer,
-    split_micro,
-    token_logprobs,
-    values_and_bootstrap,
+from train.episodes import (
+    EVAL_STREAM,
+    TRAIN_STREAM,
+    fit_tasks,
+    length_budget,
+    make_episodes,
+    sampling_key,
 )
-from train.metrics import MetricsLog, PhaseTimer, pass_at_k
-from train.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
+from train.evaluation import evaluate_set
+from train.learner import Models, UpdateFns, loss_fields, make_optimizer, split_micro
+from train.metrics import MetricsLog, PhaseTimer
 from train.sampler import Sampler
-from train.sharding import batch_sharding, batch_ways, make_mesh, shard_params
+from train.scoring import Scorer
+from train.sharding import (
+    batch_sharding,
+    batch_ways,
+    make_mesh,
+    param_shardings,
+    shard_params,
+)
 
-__all__ = ["main", "Trainer", "sampling_key", "CREDIT_PROBES"]
-
-# Streams of sampling keys: fold_in(key(seed), stream) then the step and the process, so that no
-# evaluation shares a key with a training step, and no process with another.
-TRAIN_STREAM, EVAL_STREAM = 0, 1
-EVAL_TASK_OFFSET = 10**9  # evaluation task seeds (their split already keeps them held out)
+__all__ = ["main", "Trainer", "sampling_key", "CREDIT_PROBES", "StartupError"]
 
 # Estimators whose credit is correlated with the environment's decision grades on every batch
 # (the same batch and critic for all of them): credit quality apart from optimisation noise.
 CREDIT_PROBES = ("ppo", "turn_ppo", "mpo", "grpo", "rloo")
 
 
-def sampling_key(seed: int, stream: int, step: int, process: int) -> jax.Array:
-    """The sampling key of one rollout: its own stream per (purpose, step, process)."""
-    key = jax.random.fold_in(jax.random.key(seed), stream)
-    return jax.random.fold_in(jax.random.fold_in(key, step), process)
+class StartupError(ValueError):
+    """A configuration refused before anything is written (the message names the flag)."""
+
+
+def _say(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr)
 
 
 class Trainer:
     """Holds the models, optimizers, environments and sampler of one run.
 
-    Construction validates everything that can be checked before a rollout (the environment and
-    its length budget, the preset, the mesh and every size relation) and writes nothing.
+    Construction validates everything that can be checked before a rollout (the environment, its
+    tasks against the length budget, the preset against the environment, the codec against the
+    model, the mesh and every size relation) and writes nothing. Only what is read is built: the
+    critic for critic presets, the reference model where a KL term, ``ref_kl`` or TRACE reads it.
     """
 
     def __init__(self, cfg: TrainConfig):
         self.algo = algorithms.get(cfg.preset, **cfg.algo_set)
+        defaulted = cfg.defaulted_fields
+        cfg = dataclasses.replace(cfg, compute_dtype=resolve_compute_dtype(cfg.compute_dtype))
         self.env_options = {"split": "train", **cfg.env_set}
         self.eval_options = {**cfg.env_set, "split": cfg.eval_split, **cfg.eval_env_set}
         probe = envs.make(cfg.env, seed=0, **self.env_options)
-        envs.make(cfg.env, seed=0, **self.eval_options)  # evaluation options fail now, not later
+        eval_probe = envs.make(cfg.env, seed=0, **self.eval_options)  # fails now, not later
+        if self.algo.needs_reference_answers and not probe.gold_answers:
+            raise StartupError(
+                f"preset: {cfg.preset} scores the reference model's belief in each task's gold "
+                f"answer, and {cfg.env} has none; choose a preset without TRACE"
+            )
         self.eval_fresh = bool(probe.eval_fresh) and cfg.eval_split != "train"
-        self.codec = probe.codec
-        self.max_new = cfg.max_new_tokens or getattr(probe, "turn_length", 256)
-        self.cfg = cfg = dataclasses.replace(cfg, max_len=self._max_len(cfg, probe))
+        self.source = model_source(cfg)
+        if self.source.kind == "hf":  # the checkpoint's config first: it names what is wrong
+            model_config(cfg, None, self.source)
+        self.codec = run_codec(cfg, probe)
+        self.model_config = mc = model_config(cfg, self.codec, self.source)
+        if hasattr(self.codec, "check_vocabulary"):
+            self.codec.check_vocabulary(mc.vocab_size, model=self.source.path or "the model")
+        self.max_new = cfg.max_new_tokens or probe.turn_budget or 256
+        max_len = length_budget(cfg.max_len, probe, self.codec, name=cfg.env, say=_say)
+        self.cfg = cfg = dataclasses.replace(cfg, max_len=max_len)
+        for env, options in ((probe, self.env_options), (eval_probe, self.eval_options)):
+            fit_tasks(
+                env,
+                self.codec,
+                options,
+                name=cfg.env,
+                max_len=max_len,
+                max_new_tokens=self.max_new,
+                drop=cfg.drop_long_tasks,
+                say=_say,
+            )
         self.mesh = self.micro_sharding = None
         mesh_shape = cfg.mesh_shape() or ((-1, 1, 1) if is_multiprocess() else None)
         if mesh_shape:  # several processes: one global mesh (default: data-parallel over all)
@@ -109,49 +146,46 @@ class Trainer:
             self.mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
             self.micro_sharding = batch_sharding(self.mesh)
         check_mesh_fit(cfg, batch_ways(self.mesh) if self.mesh else 1, jax.process_count())
+        if defaulted and cfg.pretrained:
+            chosen = " ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in defaulted)
+            _say(f"defaults for a pretrained model: {chosen} (pass a flag to change one)")
 
-        actor = self._build_actor()
-        critic = Qwen3ValueModel.from_policy(actor, rngs=nnx.Rngs(cfg.seed + 1))
+        actor = self._actor()
         actor_def, actor_params = nnx.split(actor)
-        critic_def, critic_params = nnx.split(critic)
-        if self.mesh is not None:
-            actor_params = shard_params(actor_params, self.mesh)
-            critic_params = shard_params(critic_params, self.mesh)
-        self.models = Models(actor_def, critic_def)
+        self.state: dict = {"actor": actor_params, "step": 0}
         opt = dict(
             warmup_steps=cfg.warmup_steps,
             updates_per_step=cfg.epochs * cfg.minibatches,
             clip=cfg.grad_clip,
             weight_decay=cfg.weight_decay,
         )
-        actor_tx = make_optimizer(cfg.lr, **opt)
-        critic_tx = make_optimizer(cfg.critic_lr, **opt)
+        critic_def = None
+        if self.algo.needs_critic:
+            critic_def, critic_params = nnx.split(initial_critic(cfg, actor))
+            self.state["critic"] = self._place(critic_params)
+        self.models = Models(actor_def, critic_def)
         self.fns = UpdateFns(
             self.models,
             self.algo,
-            actor_tx,
-            critic_tx,
+            make_optimizer(cfg.lr, **opt),
+            make_optimizer(cfg.critic_lr, **opt),
             temperature=cfg.temperature,
             entropy_coef=cfg.entropy_coef,
+            opt_dtype=jnp.dtype(cfg.opt_dtype),
         )
-        self.state = {
-            "actor": actor_params,
-            "critic": critic_params,
-            "ref": jax.tree.map(jnp.copy, actor_params),
-            "actor_opt": jax.jit(actor_tx.init)(actor_params),  # follows the params' sharding
-            "critic_opt": jax.jit(critic_tx.init)(critic_params),
-            "step": 0,
-        }
+        for which in ("actor", "critic"):
+            if which in self.state:
+                self.state[f"{which}_opt"] = self.fns.init(which, self.state[which])
+        # The reference model is the initial weights, kept only where something reads it.
+        self.ref = None
+        if needs_reference(cfg, self.algo):
+            self.ref = jax.tree.map(jnp.copy, actor_params)
         self.batch_size = cfg.prompts_per_step * cfg.group_size
-        # Each process rolls out its share of the step's tasks (all of them with one process).
-        share = host_share(cfg.prompts_per_step)
-        self.sampler = Sampler(
-            actor, batch_size=(share.stop - share.start) * cfg.group_size, capacity=cfg.max_len
+        # One sampler for training and evaluation: its cache lives only during a rollout.
+        self.sampler = Sampler(actor, capacity=cfg.max_len)
+        self.scorer = Scorer(
+            rows=cfg.micro_rows, temperature=cfg.temperature, put=self._put, to_host=to_host
         )
-        self.eval_sampler = None
-        self._logp = jax.jit(token_logprobs, static_argnums=0, static_argnames="temperature")
-        self._values = jax.jit(values_and_bootstrap, static_argnums=0)
-        self._answers = jax.jit(answer_logprobs, static_argnums=0)
         self._probe_algos = [algorithms.get(n) for n in CREDIT_PROBES]
         self._credit = jax.jit(
             algorithms.compute_advantages, static_argnums=0, static_argnames="need_returns"
@@ -159,51 +193,21 @@ class Trainer:
 
     # -- construction ----------------------------------------------------------------------------
 
-    def _max_len(self, cfg: TrainConfig, probe) -> int:
-        """The configured length budget, or the environment's longest episode; says so at start-up
-        when the budget cannot hold a whole episode."""
-        longest = probe.max_episode_tokens(self.codec)
-        if not cfg.max_len:
-            return int(longest or DEFAULT_MAX_LEN)
-        if longest and cfg.max_len < longest and jax.process_index() == 0:
-            print(
-                f"warning: --max-len {cfg.max_len} cannot hold the longest episode of {cfg.env} "
-                f"({longest} tokens): such episodes are cut by length (logged as length_cut_frac); "
-                "leave --max-len at 0 to size it from the environment",
-                file=sys.stderr,
-            )
-        return cfg.max_len
+    def _actor(self):
+        """The initial policy, its parameters placed on the mesh (read shard by shard from a
+        checkpoint)."""
+        cfg, mc = self.cfg, self.model_config
+        if self.mesh is None:
+            return initial_actor(cfg, mc)
+        from train.build import abstract_actor
 
-    def _build_actor(self) -> Qwen3ForCausalLM:
-        cfg = self.cfg
-        if cfg.model_path:
-            from train.weights import load_pretrained
+        shardings = param_shardings(nnx.state(abstract_actor(mc)), self.mesh)
+        actor = initial_actor(cfg, mc, shardings=shardings)
+        graphdef, params = nnx.split(actor)
+        return nnx.merge(graphdef, self._place(params))
 
-            return load_pretrained(cfg.model_path)
-        mc = ModelConfig(
-            vocab_size=self.codec.vocab_size,
-            hidden_size=cfg.width,
-            intermediate_size=2 * cfg.width,
-            num_layers=cfg.layers,
-            num_heads=cfg.heads,
-            num_kv_heads=cfg.kv_heads,
-            head_dim=cfg.width // cfg.heads,
-            rope_theta=1e4,
-            tie_word_embeddings=True,
-        )
-        return Qwen3ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed))
-
-    def _envs(self, step: int, prompts: int, group: int, options: dict, *, offset: int = 0):
-        """This process's episodes of one step: its share of ``prompts`` tasks x ``group``
-        rollouts each (group ids are global). The task seeds are a function of (seed, step)
-        alone, so a resumed run sees the same data."""
-        base = offset + self.cfg.seed * 1_000_003 + step * prompts
-        out, groups = [], []
-        for p in range(prompts)[host_share(prompts, what="tasks")]:
-            for _ in range(group):
-                out.append(envs.make(self.cfg.env, seed=base + p, **options))
-                groups.append(p)
-        return out, groups
+    def _place(self, params):
+        return params if self.mesh is None else shard_params(params, self.mesh)
 
     def resolved(self) -> dict:
         """What config.json records beside the flags: the resolved algorithm."""
@@ -260,8 +264,13 @@ class Trainer:
         """The step's rollouts: this process's share, then every process's (the global batch)."""
         self.sampler.state = self._local_params()
         cfg = self.cfg
-        batch_envs, groups = self._envs(
-            step, cfg.prompts_per_step, cfg.group_size, self.env_options
+        batch_envs, groups = make_episodes(
+            cfg.env,
+            seed=cfg.seed,
+            step=step,
+            prompts=cfg.prompts_per_step,
+            group=cfg.group_size,
+            options=self.env_options,
         )
         local = collect(
             batch_envs,
@@ -278,32 +287,23 @@ class Trainer:
     def score(self, rollouts) -> tuple[TurnBatch, dict[str, float]]:
         """The batch with old (actor) and reference log-probs, critic values and bootstrap values
         (the critic's value after the last action token, for truncated rows; 0 for finished
-        ones), and
-        TRACE's answer log-probs; plus what scoring measures (sampler gap, KL to the reference)."""
-        b = rollouts.batch
-        tokens = self._put(b.tokens)
-        old_logp, _ = self._logp(
-            self.models.actor, self.state["actor"], tokens, temperature=self.cfg.temperature
-        )
-        fields = {"old_logp": to_host(old_logp)}
+        ones), and TRACE's answer log-probs, scored micro-batch by micro-batch
+        (:class:`train.scoring.Scorer`); plus what scoring measures (sampler gap, KL to the
+        reference)."""
+        b, scorer, actor = rollouts.batch, self.scorer, self.models.actor
+        groups, shape = scorer.groups(b), b.tokens.shape
+        fields = {"old_logp": scorer.logprobs(actor, self.state["actor"], groups, shape)}
         gap = np.where(b.loss_mask, b.sampler_logp - fields["old_logp"], 0)
         scored = {"sampler_logp_gap": float(np.abs(gap).max(initial=0))}
         if self.algo.needs_critic:
             # the bootstrap state: the conversation up to and including its last action token
-            last = np.where(
-                b.loss_mask.any(1), b.loss_mask.shape[1] - np.argmax(b.loss_mask[:, ::-1], 1), 0
+            values, boot = scorer.values(
+                self.models.critic, self.state["critic"], groups, b.row_lengths(), shape
             )
-            lengths = last.astype(np.int32)
-            values, boot = self._values(
-                self.models.critic, self.state["critic"], tokens, self._put(lengths)
-            )
-            fields["values"] = to_host(values)
-            fields["bootstrap_values"] = np.where(b.truncated, to_host(boot), 0).astype(np.float32)
-        if self.algo.kl_coef or self.cfg.log_ref_kl:
-            ref, _ = self._logp(
-                self.models.actor, self.state["ref"], tokens, temperature=self.cfg.temperature
-            )
-            fields["ref_logp"] = to_host(ref)
+            fields["values"] = values
+            fields["bootstrap_values"] = np.where(b.truncated, boot, 0).astype(np.float32)
+        if self.ref is not None and (self.algo.kl_coef or self.cfg.log_ref_kl):
+            fields["ref_logp"] = scorer.logprobs(actor, self.ref, groups, shape)
             kl = losses.kl_penalty(fields["old_logp"], fields["ref_logp"], b.loss_mask, kind="k3")
             scored["ref_kl"] = float(np.sum(kl) / max(int(b.loss_mask.sum()), 1))
         if self.algo.needs_reference_answers:
@@ -313,24 +313,23 @@ class Trainer:
     def _trace_scores(self, rollouts) -> np.ndarray:
         b = rollouts.batch
         rows, cols = np.nonzero(b.boundary_mask)
-        lengths = rollouts.boundary_lengths[rows, cols]
         width = max(1, max(len(a) for a in rollouts.answer_ids))
         answers = np.zeros((len(rows), width), np.int32)
         alen = np.zeros(len(rows), np.int32)
         for n, r in enumerate(rows):
-            ids = rollouts.answer_ids[r] or [0]
+            ids = rollouts.answer_ids[r]  # every task has one: the start-up check said so
             answers[n, : len(ids)] = ids
             alen[n] = len(ids)
-        scores = self._answers(
+        scores = self.scorer.answers(
             self.models.actor,
-            self.state["ref"],
-            self._put(b.tokens[rows]),
-            self._put(lengths),
-            self._put(answers),
-            self._put(alen),
+            self.ref,
+            b.tokens[rows],
+            rollouts.boundary_lengths[rows, cols],
+            answers,
+            alen,
         )
         out = np.zeros(b.boundary_mask.shape, np.float32)
-        out[rows, cols] = np.minimum(to_host(scores), 0.0)
+        out[rows, cols] = np.minimum(scores, 0.0)
         return out
 
     def credit_metrics(self, rollouts, batch: TurnBatch, credit) -> dict[str, float]:
@@ -369,7 +368,7 @@ class Trainer:
         cfg = self.cfg
         returns = None if credit.returns is None else np.asarray(credit.returns)
         batch = batch.replace(advantages=np.asarray(credit.advantages), returns=returns)
-        batch = batch.only(*loss_fields(self.algo))
+        batch = batch.only("tokens", "loss_mask", "turn_ids", *loss_fields(self.algo))
         rng = np.random.default_rng(cfg.seed * 31 + self.state["step"])
         totals: dict[str, float] = {}
         for _ in range(cfg.epochs):
@@ -380,7 +379,8 @@ class Trainer:
         return _summarise_updates(totals)
 
     def _minibatch(self, mb: TurnBatch) -> dict[str, float]:
-        """One optimizer update of the actor (and critic) on a minibatch; returns sums."""
+        """One optimizer update of the actor (and critic) on a minibatch; returns sums. Each
+        micro-batch runs at the padded length of its own longest row."""
         algo, parts = self.algo, self.cfg.micro_batches
         zeros = np.zeros(mb.loss_mask.shape)
         _, normalizer = losses.aggregate(zeros, mb.loss_mask, mb.turn_ids, mode=algo.aggregation)
@@ -392,7 +392,7 @@ class Trainer:
         out = {"updates": 1.0, "skipped_updates": 0.0}
         for which, grad_fn, extra in jobs:
             grads, loss = None, 0.0
-            for micro in split_micro(mb, parts):
+            for micro in split_micro(mb, parts, loss_fields(algo)):
                 n_tok = float(micro.loss_mask.sum())
                 n_turns = float(num_turns(micro.loss_mask, micro.turn_ids).sum())
                 if self.micro_sharding is not None:
@@ -424,10 +424,11 @@ class Trainer:
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Success rate and unbiased pass@k on held-out tasks (``eval_heldout_*``: the
-        environment's ``--eval-split``, by default tasks training never draws) and, for small task
-        spaces, on fresh episodes of the training split (``eval_fresh_*``). The same tasks at
-        every evaluation, so the numbers are comparable; sampling keys of their own stream."""
+        """Success rate, unbiased pass@k and the environment's own figures on held-out tasks
+        (``eval_heldout_*``: the environment's ``--eval-split``, by default tasks training never
+        draws) and, for small task spaces, on fresh episodes of the training split
+        (``eval_fresh_*``); :func:`train.evaluation.evaluate_set`. The same tasks at every
+        evaluation, so the numbers are comparable; sampling keys of their own stream."""
         name = "heldout" if self.cfg.eval_split == "test" else self.cfg.eval_split
         out = self._evaluate_set(step, name, self.eval_options, 0)
         if self.eval_fresh:
@@ -435,33 +436,23 @@ class Trainer:
         return out
 
     def _evaluate_set(self, step: int, name: str, options: dict, which: int) -> dict[str, float]:
-        cfg, k = self.cfg, self.cfg.eval_k
-        batch_envs, groups = self._envs(0, cfg.eval_episodes, k, options, offset=EVAL_TASK_OFFSET)
-        if self.eval_sampler is None:
-            self.eval_sampler = Sampler(
-                nnx.merge(self.models.actor, self._local_params()),
-                batch_size=len(batch_envs),
-                capacity=cfg.max_len,
-            )
-        self.eval_sampler.state = self._local_params()
-        key = sampling_key(cfg.seed, EVAL_STREAM, step * 2 + which, jax.process_index())
-        out = collect(
-            batch_envs,
-            self.codec,
-            self.eval_sampler,
-            group_ids=groups,
+        cfg = self.cfg
+        self.sampler.state = self._local_params()
+        metrics, _ = evaluate_set(
+            name,
+            env=cfg.env,
+            options=options,
+            codec=self.codec,
+            sampler=self.sampler,
+            seed=cfg.seed,
+            episodes=cfg.eval_episodes,
+            k=cfg.eval_k,
             max_len=cfg.max_len,
             max_new_tokens=self.max_new,
             temperature=cfg.temperature,
-            seed=key,
+            key=sampling_key(cfg.seed, EVAL_STREAM, step * 2 + which, jax.process_index()),
         )
-        success = gather_array(np.array([ep["success"] for ep in out.episodes], float))
-        correct = success.reshape(-1, k).sum(axis=1).astype(int)
-        return {
-            f"eval_{name}_success_rate": float(success.mean()),
-            f"eval_{name}_pass@1": float(np.mean([pass_at_k(k, c, 1) for c in correct])),
-            f"eval_{name}_pass@{k}": float(np.mean([pass_at_k(k, c, k) for c in correct])),
-        }
+        return metrics
 
 
 def _summarise_updates(totals: dict[str, float]) -> dict[str, float]:
@@ -497,6 +488,10 @@ def rollout_metrics(rollouts) -> dict[str, float]:
         "turns_mean": float(np.mean([e["turns"] for e in eps])),
         "truncated_frac": float(truncated.mean()),
         "length_cut_frac": float(by_length.mean()),
+        # turns that did not end with the template's end of turn (closed by the rollout)
+        "turn_cut_frac": float(
+            sum(e.get("turns_cut", 0) for e in eps) / max(sum(e["turns"] for e in eps), 1)
+        ),
         "turn_limit_frac": float((truncated & ~by_length).mean()),
         "tokens": int(sum(e["tokens"] for e in eps)),
         "action_tokens": int(rollouts.batch.loss_mask.sum()),
@@ -547,7 +542,11 @@ def main(argv: list[str] | None = None) -> int:
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except (ValueError, FileNotFoundError) as e:  # our start-up checks name the flag or file
+        print(f"refused (nothing was written): {e}", file=sys.stderr)
+        return 2
     cfg = trainer.cfg
     lead = jax.process_index() == 0
     if lead:

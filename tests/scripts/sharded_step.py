@@ -14,7 +14,7 @@ from flax import nnx  # noqa: E402
 from mpo_jax import algorithms  # noqa: E402
 from mpo_jax.batch import TurnBatch  # noqa: E402
 from tests.models import tiny_model_config  # noqa: E402
-from train.learner import Models, UpdateFns, make_optimizer  # noqa: E402
+from train.learner import ActionRows, Models, UpdateFns, make_optimizer  # noqa: E402
 from train.qwen3 import Qwen3ForCausalLM, Qwen3ValueModel  # noqa: E402
 from train.sharding import batch_sharding, make_mesh, shard_params  # noqa: E402
 
@@ -46,14 +46,18 @@ batch = TurnBatch(
     values=np.where(mask, rng.normal(size=(b, t)), 0).astype(np.float32),
     returns=np.where(mask, rng.normal(size=(b, t)), 0).astype(np.float32),
 )
+batch = ActionRows.of(batch, ("old_logp", "advantages", "values", "returns"))
 count = float(mask.sum())
 
 
 def step(aparams, cparams, batch):
+    # the update donates the parameters it is given: give it copies, the originals are reused
     (la, _), ga = fns.actor_grad(aparams, batch, count, count)
-    a_new, _, ok_a, _ = fns.apply("actor", aparams, jax.jit(tx.init)(aparams), ga, la)
+    a_copy = jax.tree.map(jnp.copy, aparams)
+    a_new, _, ok_a, _ = fns.apply("actor", a_copy, fns.init("actor", aparams), ga, la)
     (lc, _), gc = fns.critic_grad(cparams, batch, count)
-    c_new, _, ok_c, _ = fns.apply("critic", cparams, jax.jit(tx.init)(cparams), gc, lc)
+    c_copy = jax.tree.map(jnp.copy, cparams)
+    c_new, _, ok_c, _ = fns.apply("critic", c_copy, fns.init("critic", cparams), gc, lc)
     assert bool(ok_a) and bool(ok_c)
     return a_new, c_new, la, lc
 

@@ -1,0 +1,215 @@
+"""What a run's models are and where their weights come from.
+
+One place turns a run's configuration (``train.config.TrainConfig``) into the chat codec, the
+model's :class:`~train.qwen3.ModelConfig` and initial weights, so that ``train.run``,
+``train.export``, ``train.evaluate``, ``train.plan`` and ``train.sft`` agree on them:
+
+* **the source of the initial policy** (:func:`model_source`): ``--init-from`` (a Hugging Face
+  folder such as an export, or a run directory whose latest actor is read), else
+  ``--model-path`` (a Hugging Face folder), else a tiny random Qwen3-architecture model seeded by
+  ``--seed``. The reference model is the same source read again, never a stored copy.
+* **the codec** (:func:`run_codec`): the environment's own (the synthetic word tasks), or for the
+  chat environments the chat format of ``--tokenizer-path``, else of the source's folder, else
+  the bundled Qwen3 tokenizer; checked against the model's vocabulary.
+* **precision**: ``--param-dtype`` for the weights, ``--compute-dtype`` (``auto``: bfloat16 on
+  GPU/TPU, float32 on CPU) for activations and the KV cache, ``--remat`` per decoder layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from train.config import TrainConfig, read_run_config
+from train.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
+
+__all__ = [
+    "ModelSource",
+    "model_source",
+    "compute_dtype",
+    "run_codec",
+    "model_config",
+    "abstract_actor",
+    "initial_actor",
+    "initial_critic",
+    "needs_reference",
+    "run_config",
+    "restore_model",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a run's initial policy comes from.
+
+    ``kind``: ``"hf"`` (a Hugging Face folder at ``path``), ``"run"`` (the latest actor of the run
+    directory ``path``, whose own configuration is ``run``) or ``"random"`` (a tiny model).
+    ``folder`` is the Hugging Face folder behind it (its tokenizer), if any.
+    """
+
+    kind: str
+    path: str | None = None
+    folder: str | None = None
+    run: TrainConfig | None = None
+
+
+def _is_hf_folder(path: Path) -> bool:
+    config = path / "config.json"
+    return config.exists() and "architectures" in json.loads(config.read_text())
+
+
+def model_source(cfg: TrainConfig) -> ModelSource:
+    """The source of ``cfg``'s initial policy (see the module docstring); a path that is neither a
+    Hugging Face folder nor a run directory is refused, naming the flag."""
+    if cfg.init_from:
+        path = Path(cfg.init_from)
+        if _is_hf_folder(path):
+            return ModelSource("hf", str(path), str(path))
+        if (path / "config.json").exists() and (path / "checkpoints").is_dir():
+            run = TrainConfig(**read_run_config(path / "config.json"))
+            inner = model_source(run)
+            return ModelSource("run", str(path), inner.folder, run)
+        raise ValueError(
+            f"init_from: {path} is neither a Hugging Face folder (config.json with "
+            "'architectures') nor a run directory (config.json and checkpoints/)"
+        )
+    if cfg.model_path:
+        path = Path(cfg.model_path)
+        if not (path / "config.json").exists():
+            raise ValueError(f"model_path: {path} has no config.json")
+        return ModelSource("hf", str(path), str(path))
+    return ModelSource("random")
+
+
+def compute_dtype(name: str) -> str:
+    """``auto`` -> bfloat16 on an accelerator, float32 on the CPU; else the name itself."""
+    if name != "auto":
+        return name
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def run_codec(cfg: TrainConfig, env):
+    """The codec of ``cfg``'s environment: its own, or for a chat environment the chat format of
+    ``--tokenizer-path`` / the source's folder / the bundled Qwen3 tokenizer."""
+    if not getattr(env, "chat_format", False):
+        return env.codec
+    from envs.chat import ChatTemplateError, chat_format
+
+    folder = cfg.tokenizer_path or model_source(cfg).folder
+    try:
+        return chat_format(folder, enable_thinking=cfg.enable_thinking)
+    except ChatTemplateError as e:
+        if cfg.tokenizer_path:
+            raise
+        raise ChatTemplateError(f"{e} (pass --tokenizer-path to use another folder's)") from e
+
+
+def model_config(cfg: TrainConfig, codec, source: ModelSource | None = None) -> ModelConfig:
+    """The architecture and precision of ``cfg``'s models (from the source's config.json, or
+    the tiny flags with the codec's vocabulary; ``codec`` may be None for a checkpoint)."""
+    source = source or model_source(cfg)
+    precision = dict(
+        dtype=jnp.dtype(compute_dtype(cfg.compute_dtype)),
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        remat=cfg.remat,
+    )
+    if source.kind == "run":
+        base = model_config(source.run, codec)
+        return dataclasses.replace(base, **precision)
+    if source.kind == "hf":
+        from train.weights import read_config
+
+        return read_config(source.path, **precision)
+    return ModelConfig(
+        vocab_size=codec.vocab_size,
+        hidden_size=cfg.width,
+        intermediate_size=2 * cfg.width,
+        num_layers=cfg.layers,
+        num_heads=cfg.heads,
+        num_kv_heads=cfg.kv_heads,
+        head_dim=cfg.width // cfg.heads,
+        rope_theta=1e4,
+        tie_word_embeddings=True,
+        **precision,
+    )
+
+
+def abstract_actor(mc: ModelConfig) -> Qwen3ForCausalLM:
+    """The policy with shapes and dtypes only (no weights allocated)."""
+    return nnx.eval_shape(lambda: Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0)))
+
+
+def initial_actor(
+    cfg: TrainConfig, mc: ModelConfig, *, shardings: Any = None, log=None
+) -> Qwen3ForCausalLM:
+    """The run's initial policy, read from its source (placed with ``shardings`` as read)."""
+    source = model_source(cfg)
+    if source.kind == "hf":
+        from train.weights import load_pretrained
+
+        kwargs = {} if log is None else {"log": log}
+        return load_pretrained(
+            source.path,
+            dtype=mc.dtype,
+            param_dtype=mc.param_dtype,
+            remat=mc.remat,
+            shardings=shardings,
+            **kwargs,
+        )
+    if source.kind == "run":
+        return restore_model(source.path, mc)
+    return Qwen3ForCausalLM(mc, rngs=nnx.Rngs(cfg.seed))
+
+
+def run_config(run_dir: str | Path) -> TrainConfig:
+    """A run directory's configuration (refused, naming the folder, where there is none)."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"--run-dir: {run_dir} has no config.json (not a run directory)")
+    return TrainConfig(**read_run_config(path))
+
+
+def restore_model(run_dir: str | Path, mc: ModelConfig, *, step=None, part: str = "actor"):
+    """The ``part`` (``actor`` or ``critic``) of a run's checkpoint at ``step`` (default: the
+    latest) as a model of config ``mc``, restored alone (no optimizer state is read)."""
+    from train.checkpoint import Checkpoints
+
+    checkpoints = Checkpoints(Path(run_dir) / "checkpoints", create=False)
+    steps = checkpoints.steps()
+    if not steps:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint")
+    if step is not None and step not in steps:
+        raise ValueError(f"--step: {run_dir} has checkpoints at steps {steps}, not {step}")
+    cls = Qwen3ValueModel if part == "critic" else Qwen3ForCausalLM
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(mc, rngs=nnx.Rngs(0))))
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+    params = checkpoints.restore({part: like}, step)[part]
+    return nnx.merge(graphdef, params)
+
+
+def initial_critic(cfg: TrainConfig, actor: Qwen3ForCausalLM) -> Qwen3ValueModel:
+    """The critic: ``--critic-from``'s trunk (and value head, for an exported critic), else a copy
+    of the policy's trunk; a fresh value head at zero."""
+    if cfg.critic_from:
+        from train.weights import load_pretrained
+
+        mc = actor.cfg
+        return load_pretrained(
+            cfg.critic_from,
+            dtype=mc.dtype,
+            param_dtype=mc.param_dtype,
+            remat=mc.remat,
+            model_cls=Qwen3ValueModel,
+        )
+    return Qwen3ValueModel.from_policy(actor, rngs=nnx.Rngs(cfg.seed + 1))
+
+
+def needs_reference(cfg: TrainConfig, algo) -> bool:
+    """Whether anything reads the reference model: a KL term, ``ref_kl`` logging, TRACE."""
+    return bool(algo.kl_coef or cfg.log_ref_kl or algo.needs_reference_answers)
