@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 
 from envs.chat import (
@@ -293,3 +294,42 @@ def test_the_codec_reads_the_templates_pieces_and_refuses_what_it_cannot_speak(f
         ChatFormat(tok)
     with pytest.raises(ChatTemplateError, match=r"151669 ids but the model has 128 embedding"):
         off.check_vocabulary(128)
+
+
+def test_a_turn_cut_by_the_budget_or_the_end_of_text_is_closed_and_counted():
+    # Row 0 always runs out of tokens, row 1 stops on <|endoftext|>, row 2 ends its turns well:
+    # the rollout appends <|im_end|> (not an action) after the first two before the next
+    # observation, so the model never continues a half-open turn, and counts them.
+    import envs
+    from envs.rollout import collect
+    from envs.scripted import ScriptedGeneration
+    from train.run import rollout_metrics
+
+    chat = envs.make("search", seed=0).codec
+    words = chat.encode(format_tool_call("search", {"query": "capital of France"}))
+
+    class Policy:
+        def start(self, prompts):
+            pass
+
+        def extend(self, rows):
+            self.last = rows
+
+        def generate(self, *, max_new_tokens, active, **_):
+            ends = ([], [chat.end_of_text], [chat.im_end])
+            out = [(words[: max_new_tokens - len(e)] + e) if a else [] for a, e in
+                   zip(active, ends, strict=True)]  # fmt: skip
+            return ScriptedGeneration(out, [[0.0] * len(t) for t in out], [False] * 3)
+
+    batch_envs = [envs.make("search", seed=s, max_turns=2) for s in range(3)]
+    policy = Policy()
+    out = collect(batch_envs, chat, policy, group_ids=[0, 1, 2], max_len=2048, max_new_tokens=8)
+    b = out.batch
+    for row, closed in ((0, True), (1, True), (2, False)):
+        turn0 = np.nonzero(b.turn_ids[row] == 0)[0]
+        after = turn0[-1] + 1  # the first token after the sampled turn
+        assert (b.tokens[row, after] == chat.im_end and not b.loss_mask[row, after]) == closed
+        assert out.episodes[row]["turns_cut"] == (2 if closed else 0)
+    assert policy.last[0][0] == chat.im_end  # the cache got the closing token too
+    metrics = rollout_metrics(out)
+    assert metrics["turn_cut_frac"] == pytest.approx(4 / 6)
