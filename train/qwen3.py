@@ -34,6 +34,7 @@ __all__ = [
     "Qwen3ValueModel",
     "KVCache",
     "REMAT_POLICIES",
+    "DecoderStack",
 ]
 
 # architecture name -> (model_type, qk_norm, qkv_bias)
@@ -87,6 +88,17 @@ class ModelConfig:
             and layer not in self.mlp_only_layers
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    def layer_segments(self) -> list[tuple[int, int]]:
+        """(first layer, count) of each run of consecutive layers of one kind (dense or MoE):
+        the model's :class:`DecoderStack` s."""
+        out: list[tuple[int, int]] = []
+        for layer in range(self.num_layers):
+            if out and self.is_moe_layer(layer) == self.is_moe_layer(out[-1][0]):
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((layer, 1))
+        return out
 
     @classmethod
     def from_hf(cls, hf: dict, **overrides) -> ModelConfig:
@@ -251,6 +263,23 @@ class KVCache(NamedTuple):
         return 2 * per * jnp.dtype(cfg.dtype).itemsize
 
 
+BATCH_AXES = ("data", "fsdp")  # the mesh axes rows are split over (train.sharding's "batch")
+
+
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """``x`` with its rows (leading axis) split over the data-parallel mesh axes, when a mesh is
+    set (``jax.set_mesh``) and the rows divide over them; unchanged otherwise. Placed on the
+    residual stream, it makes XLA gather an fsdp-sharded weight for a matmul rather than gather
+    the batch (and compute every row on every device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+        return x
+    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    if ways == 1 or x.shape[0] % ways:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.P(BATCH_AXES))
+
+
 def _write_rows(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
     """Writes new [B, L, ...] into cache [B, S, ...] at slots offsets[b] + 0..L-1 of each row;
     slots past the end are dropped (so a cache needs no room for a padded write past its end)."""
@@ -381,8 +410,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if cfg.is_moe_layer(layer) else MLP(cfg, rngs=rngs)
 
     def __call__(self, x, positions, causal=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, causal=causal)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = constrain_rows(x + self.self_attn(self.input_layernorm(x), positions, causal=causal))
+        return constrain_rows(x + self.mlp(self.post_attention_layernorm(x)))
 
     def extend(self, x, positions, causal, cache_k, cache_v, offsets):
         """Like __call__ for new tokens x [B, L, D]: their keys/values are written into the
@@ -403,12 +432,67 @@ REMAT_POLICIES = {
 }
 
 
-def _layer_call(layer, x, positions, causal):
-    return layer(x, positions, causal)
+class DecoderStack(nnx.Module):
+    """Consecutive decoder layers of one kind (dense or MoE), their parameters stacked on a
+    leading ``layers`` axis (one :class:`DecoderLayer` holding ``count`` layers' weights) and run
+    by ``jax.lax.scan``: one layer's program whatever the depth (compile time independent of
+    it), and a per-layer ``jax.checkpoint`` that every backend honours (the scan keeps the
+    recomputation in the backward loop, where no compiler can merge it with the forward).
+
+    Layer ``first + j`` of the model is entry ``j`` of every parameter here."""
+
+    def __init__(self, cfg: ModelConfig, first: int, count: int, *, rngs: nnx.Rngs):
+        self.cfg, self.first, self.count = cfg, first, count
+        layers = [DecoderLayer(cfg, first + j, rngs=rngs) for j in range(count)]
+        graphdef, _ = nnx.split(layers[0])
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(nnx.state(x) for x in layers))
+        flat = [
+            (path, var.replace(var.get_value(), out_sharding=("layers", *_names(var))))
+            for path, var in nnx.to_flat_state(stacked)
+        ]
+        self.layer = nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+    def __call__(self, x, positions, causal=None):
+        graphdef, state = nnx.split(self.layer)
+
+        def step(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x, positions, causal), None
+
+        policy = REMAT_POLICIES[self.cfg.remat]
+        if self.cfg.remat != "none":
+            step = jax.checkpoint(step, policy=policy)
+        x, _ = jax.lax.scan(step, x, state)
+        return x
+
+    def extend(self, x, positions, causal, cache: KVCache, offsets) -> tuple[jax.Array, KVCache]:
+        """:meth:`DecoderLayer.extend` through the stack; ``cache`` is the model's whole cache,
+        updated in place (the scan carries it) at this stack's layers."""
+        graphdef, state = nnx.split(self.layer)
+
+        def step(carry, xs):
+            x, k, v = carry
+            layer_state, index = xs
+            layer = nnx.merge(graphdef, layer_state)
+            x, k_l, v_l = layer.extend(x, positions, causal, k[index], v[index], offsets)
+            k = jax.lax.dynamic_update_index_in_dim(k, k_l, index, 0)
+            v = jax.lax.dynamic_update_index_in_dim(v, v_l, index, 0)
+            return (x, k, v), None
+
+        layers = jnp.arange(self.first, self.first + self.count)
+        (x, k, v), _ = jax.lax.scan(step, (x, cache.k, cache.v), (state, layers))
+        return x, KVCache(k, v)
+
+
+def _names(var) -> tuple:
+    names = var.get_metadata().get("out_sharding")
+    return tuple(names) if names else (None,) * len(var.get_value().shape)
 
 
 class Qwen3Model(nnx.Module):
-    """The backbone: embedding, decoder layers, final norm -> hidden states [B, T, D]."""
+    """The backbone: embedding, decoder layers, final norm -> hidden states [B, T, D].
+
+    The layers are :class:`DecoderStack` s, one per run of layers of one kind
+    (:meth:`ModelConfig.layer_segments`: a single stack for Qwen3 dense and Qwen3-30B-A3B)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -420,7 +504,9 @@ class Qwen3Model(nnx.Module):
             embedding_init=_init(("vocab", "embed"), nnx.initializers.normal(0.02)),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.layers = nnx.List(
+            [DecoderStack(cfg, first, count, rngs=rngs) for first, count in cfg.layer_segments()]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg)
 
     def __call__(self, input_ids, positions=None, attention_mask=None):
@@ -436,12 +522,9 @@ class Qwen3Model(nnx.Module):
         rope_positions = positions
         if rope_positions is None:
             rope_positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.embed_tokens(input_ids)
-        call = _layer_call
-        if self.cfg.remat != "none":
-            call = nnx.remat(_layer_call, policy=REMAT_POLICIES[self.cfg.remat])
-        for layer in self.layers:
-            x = call(layer, x, rope_positions, causal)
+        x = constrain_rows(self.embed_tokens(input_ids))
+        for stack in self.layers:
+            x = stack(x, rope_positions, causal)
         return self.norm(x)
 
     def extend(self, input_ids, offsets, n_new, cache: KVCache):
@@ -464,13 +547,10 @@ class Qwen3Model(nnx.Module):
         slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
         valid = slots < (offsets + n_new)[:, None]
         causal = (positions, slots, valid)
-        x = self.embed_tokens(input_ids)
-        ks, vs = [], []
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer.extend(x, positions, causal, cache.k[i], cache.v[i], offsets)
-            ks.append(k)
-            vs.append(v)
-        return self.norm(x), KVCache(jnp.stack(ks), jnp.stack(vs))
+        x = constrain_rows(self.embed_tokens(input_ids))
+        for stack in self.layers:
+            x, cache = stack.extend(x, positions, causal, cache, offsets)
+        return self.norm(x), cache
 
 
 class Qwen3ForCausalLM(nnx.Module):

@@ -69,18 +69,27 @@ def read_config(path: str | Path, **overrides) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(file.read_text()), **overrides)
 
 
-def _hf_to_nnx(name: str) -> tuple[tuple, bool, int | None]:
-    """(nnx path, transpose, expert index or None) for a Hugging Face tensor name."""
+def _segment(cfg: ModelConfig, layer: int, name: str) -> tuple[int, int]:
+    """(stack, entry) of a model layer: which :class:`train.qwen3.DecoderStack` holds it, where."""
+    for s, (first, count) in enumerate(cfg.layer_segments()):
+        if first <= layer < first + count:
+            return s, layer - first
+    raise CheckpointError(f"{name}: unexpected tensor (the config has {cfg.num_layers} layers)")
+
+
+def _hf_to_nnx(name: str, cfg: ModelConfig) -> tuple[tuple, bool, tuple[int, ...]]:
+    """(nnx path, transpose, index) for a Hugging Face tensor name; ``index`` is the tensor's
+    place in a stacked parameter: (layer entry,) or (layer entry, expert), () otherwise."""
     if name == "model.embed_tokens.weight":
-        return ("model", "embed_tokens", "embedding"), False, None
+        return ("model", "embed_tokens", "embedding"), False, ()
     if name == "model.norm.weight":
-        return ("model", "norm", "weight"), False, None
+        return ("model", "norm", "weight"), False, ()
     if name == "lm_head.weight":
-        return ("lm_head_kernel", "kernel"), True, None
+        return ("lm_head_kernel", "kernel"), True, ()
     if name == "value_head.weight":
-        return ("value_head", "kernel"), True, None
+        return ("value_head", "kernel"), True, ()
     if name == "value_head.bias":
-        return ("value_head", "bias"), False, None
+        return ("value_head", "bias"), False, ()
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m:
         layer, rest = int(m.group(1)), m.group(2)
@@ -89,8 +98,9 @@ def _hf_to_nnx(name: str) -> tuple[tuple, bool, int | None]:
             if mm:
                 groups = mm.groups()
                 filled = tuple(p.format(*groups) for p in path)
-                expert = int(groups[0]) if "experts" in pattern else None
-                return ("model", "layers", layer, *filled), transpose, expert
+                stack, entry = _segment(cfg, layer, name)
+                index = (entry, int(groups[0])) if "experts" in pattern else (entry,)
+                return ("model", "layers", stack, "layer", *filled), transpose, index
     raise CheckpointError(f"{name}: unexpected tensor (no parameter of this architecture)")
 
 
@@ -237,15 +247,15 @@ def load_pretrained(
     expected = {k for k, v in flat.items() if isinstance(v, nnx.Param)}
     if critic:  # a fresh value head unless the folder is an exported critic
         expected = {k for k in expected if k[0] != "value_head"}
-    experts: dict[tuple, np.ndarray] = {}
+    stacked: dict[tuple, np.ndarray] = {}  # layers (and experts) gathered per parameter
+    seen: dict[tuple, set] = {}
     filled: set[tuple] = set()
-    expert_seen: dict[tuple, set[int]] = {}
     tied: dict[str, Any] = {}
     for name, load, shape, _ in _iter_tensors(path):
         if name == "lm_head.weight" and (cfg.tie_word_embeddings or critic):
             tied["head"] = (load, shape)  # checked against the embedding below; not a parameter
             continue
-        key, transpose, expert = _hf_to_nnx(name)
+        key, transpose, index = _hf_to_nnx(name, cfg)
         if key[0] == "value_head" and critic:
             if key not in flat:
                 raise CheckpointError(f"{name}: unexpected tensor")
@@ -253,11 +263,10 @@ def load_pretrained(
         if key not in flat:
             where = ".".join(map(str, key))
             raise CheckpointError(f"{name}: unexpected tensor (the config has no {where})")
-        want = tuple(flat[key].get_value().shape)
-        if expert is not None:
-            if not 0 <= expert < want[0]:
-                raise CheckpointError(f"{name}: expert {expert} but config has {want[0]} experts")
-            want = want[1:]
+        full = tuple(flat[key].get_value().shape)
+        if len(index) == 2 and not 0 <= index[1] < full[1]:
+            raise CheckpointError(f"{name}: expert {index[1]} but config has {full[1]} experts")
+        want = full[len(index) :]
         got = shape[::-1] if transpose else shape
         if tuple(got) != want:
             hf_want = want[::-1] if transpose else want
@@ -269,16 +278,16 @@ def load_pretrained(
         array = load()
         if transpose:
             array = array.T
-        if expert is None:
+        if not index:
             place(key, array)
             filled.add(key)
-        else:
-            buf = experts.setdefault(key, np.zeros(flat[key].get_value().shape, array.dtype))
-            buf[expert] = array
-            expert_seen.setdefault(key, set()).add(expert)
-            if len(expert_seen[key]) == buf.shape[0]:
-                place(key, experts.pop(key))
-                filled.add(key)
+            continue
+        buf = stacked.setdefault(key, np.zeros(full, array.dtype))
+        buf[index] = array
+        seen.setdefault(key, set()).add(index)
+        if len(seen[key]) == int(np.prod(full[: len(index)])):
+            place(key, stacked.pop(key))
+            filled.add(key)
     if "head" in tied and cfg.tie_word_embeddings and "embedding" in tied:
         head, head_shape = tied["head"]
         want = tuple(flat[("model", "embed_tokens", "embedding")].get_value().shape)
@@ -294,30 +303,45 @@ def load_pretrained(
                 place(key, np.zeros(flat[key].get_value().shape, np.float32))
     missing = sorted(expected - filled)
     if missing:
-        first = missing[0]
-        hint = _nnx_to_hf(first)
+        key = missing[0]
+        names = list(_hf_names(key, cfg, flat[key].get_value().shape))
+        have = seen.get(key, set())
+        hint = next(name for index, name in names if index not in have)
         raise CheckpointError(
-            f"{hint}: missing tensor ({len(missing)} missing in all; config.json expects it)"
+            f"{hint}: missing tensor ({len(missing)} parameter(s) incomplete; config.json "
+            "expects it)"
         )
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model
 
 
-def _nnx_to_hf(key: tuple) -> str:
-    """A readable Hugging Face name for an nnx path (for error messages and saving)."""
+def _hf_names(key: tuple, cfg: ModelConfig, shape) -> Iterator[tuple[tuple, str]]:
+    """(index, Hugging Face name) of every tensor a parameter holds: one, or one per stacked
+    layer (and expert)."""
     if key == ("model", "embed_tokens", "embedding"):
-        return "model.embed_tokens.weight"
-    if key == ("model", "norm", "weight"):
-        return "model.norm.weight"
-    if key == ("lm_head_kernel", "kernel"):
-        return "lm_head.weight"
-    layer, rest = key[2], key[3:]
-    if rest[:2] == ("mlp", "router"):
-        return f"model.layers.{layer}.mlp.gate.weight"
-    if rest[0] == "mlp" and len(rest) == 2:
-        return f"model.layers.{layer}.mlp.experts.*.{rest[1]}.weight"
-    suffix = "weight" if rest[-1] in ("kernel", "weight") else rest[-1]
-    return f"model.layers.{layer}." + ".".join(rest[:-1]) + f".{suffix}"
+        yield (), "model.embed_tokens.weight"
+    elif key == ("model", "norm", "weight"):
+        yield (), "model.norm.weight"
+    elif key == ("lm_head_kernel", "kernel"):
+        yield (), "lm_head.weight"
+    elif key[0] == "value_head":
+        yield (), f"value_head.{'weight' if key[-1] == 'kernel' else 'bias'}"
+    else:
+        first, count = cfg.layer_segments()[key[2]]
+        rest = key[4:]
+        if rest[:2] == ("mlp", "router"):
+            body = "mlp.gate.weight"
+        elif rest[0] == "mlp" and len(rest) == 2:  # experts
+            body = "mlp.experts.{e}." + rest[1] + ".weight"
+        else:
+            suffix = "weight" if rest[-1] in ("kernel", "weight") else rest[-1]
+            body = ".".join(rest[:-1]) + f".{suffix}"
+        for j in range(count):
+            if "{e}" in body:
+                for e in range(shape[1]):
+                    yield (j, e), f"model.layers.{first + j}." + body.format(e=e)
+            else:
+                yield (j,), f"model.layers.{first + j}.{body}"
 
 
 _SAFETENSORS_DTYPES = {np.dtype(v): k for k, v in _NUMPY_DTYPES.items()}
@@ -344,25 +368,19 @@ def _write_safetensors(file: Path, tensors: dict[str, np.ndarray]) -> None:
 
 
 def _hf_tensors(model: Any, dtype) -> Iterator[tuple[str, np.ndarray]]:
-    """(Hugging Face name, host array) of every parameter, one at a time."""
+    """(Hugging Face name, host array) of every tensor, one at a time ([in, out] kernels back to
+    [out, in]; stacked layers and experts one tensor each)."""
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if key[0] not in ("model", "lm_head_kernel", "value_head"):
             continue
         value = np.asarray(jax.device_get(var.get_value()))
         if dtype is not None:
             value = value.astype(dtype)
-        if key[0] == "value_head":
-            yield (
-                f"value_head.{'weight' if key[-1] == 'kernel' else 'bias'}",
-                (value.T if key[-1] == "kernel" else value),
-            )
-            continue
-        name = _nnx_to_hf(key)
-        if "experts.*" in name:  # [E, in, out] -> one [out, in] tensor per expert
-            for j in range(value.shape[0]):
-                yield name.replace("*", str(j)), value[j].T
-        else:
-            yield name, value.T if key[-1] == "kernel" else value
+        experts = key[0] == "model" and key[4:5] == ("mlp",) and len(key) == 6
+        transpose = key[-1] == "kernel" or experts
+        for index, name in _hf_names(key, model.cfg, value.shape):
+            tensor = value[index] if index else value
+            yield name, tensor.T if transpose else tensor
 
 
 def save_pretrained(

@@ -5,7 +5,9 @@ mesh spanning both processes. Writes what it saw to OUT/process<i>.npz."""
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+)
 
 from train.distributed import initialize_from_env, to_host  # noqa: E402
 
@@ -25,7 +27,9 @@ out_dir, flags = sys.argv[1], sys.argv[2:]
 assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
 cfg = parse_args(flags + ["--mesh", "2,2,1", "--run-dir", os.path.join(out_dir, "run")])
 trainer = run.Trainer(cfg)
-kernel = trainer.state["actor"]["model"]["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value()
+kernel = trainer.state["actor"]["model"]["layers"][0]["layer"]["mlp"]["gate_proj"][
+    "kernel"
+].get_value()
 assert not kernel.is_fully_addressable  # the parameters really span both processes
 
 seen = {}

@@ -4,7 +4,9 @@ device. Prints MAX_DIFF <float> and exits 0 on success."""
 
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -66,7 +68,7 @@ single = step(aparams, cparams, jax.tree.map(jnp.asarray, batch))
 mesh = make_mesh(data=2, fsdp=2, tensor=2)
 sharded_batch = jax.tree.map(lambda v: jax.device_put(v, batch_sharding(mesh)), batch)
 sa, sc = shard_params(aparams, mesh), shard_params(cparams, mesh)
-kernel = sa["model"]["layers"][0]["mlp"]["gate_proj"]["kernel"].get_value()
+kernel = sa["model"]["layers"][0]["layer"]["mlp"]["gate_proj"]["kernel"].get_value()
 assert len(kernel.sharding.device_set) == 8, kernel.sharding  # really spread over the mesh
 sharded = step(sa, sc, sharded_batch)
 diffs = [
