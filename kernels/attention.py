@@ -22,7 +22,8 @@ softmax and every accumulation are float32 whatever the inputs' dtype.
 ``implementation``: ``"chunked"`` (the above; CPU and TPU), ``"cudnn"`` (cuDNN's fused flash
 attention through ``jax.nn.dot_product_attention``, GPU only, for full causal sequences:
 positions 0..T-1, every key valid), ``"reference"`` (the whole [Tq, Tk] matrix: tests and short
-sequences). ``None`` picks cuDNN on a GPU where it applies, else ``"chunked"``.
+sequences). ``None`` picks cuDNN on a GPU where it applies, the reference where queries and keys
+fit one block each (the same computation with a simpler program), else ``"chunked"``.
 """
 
 from __future__ import annotations
@@ -283,7 +284,11 @@ def attention(
     full_causal = q_positions is None and k_positions is None and k_valid is None
     if implementation is None:
         on_gpu = jax.default_backend() == "gpu"
-        implementation = "cudnn" if on_gpu and full_causal else "chunked"
+        one_block = q.shape[1] <= block_q and k.shape[1] <= block_k
+        # one block is the whole matrix anyway: the reference is the same computation, simpler
+        implementation = (
+            "cudnn" if on_gpu and full_causal else "reference" if one_block else ("chunked")
+        )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation: {implementation!r} is not one of {IMPLEMENTATIONS}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

@@ -5,15 +5,16 @@ For hidden states h_n, the LM head W and temperature τ (τ = 0, greedy, is trea
     z_n = h_n W / τ,   lse_n = log Σ_v exp(z_nv),
     logp_n = z_n[y_n] - lse_n,   H_n = lse_n - Σ_v p_nv z_nv      (p = softmax(z))
 
-The tokens are processed in chunks of ``chunk_size`` with ``lax.scan``; a custom VJP recomputes
-each chunk's logits in the backward pass, where
+The tokens of each row are processed in chunks along the sequence with ``lax.scan`` (the rows
+stay a batch axis of their own, so a batch split over devices stays split); a custom VJP
+recomputes each chunk's logits in the backward pass, where
 
     ∂logp/∂z = onehot(y) - p,    ∂H/∂z = -p (log p + H),
     ∂h = ∂z Wᵀ / τ,   ∂W = Σ_chunks hᵀ ∂z / τ,
 
-so peak memory is one chunk's [chunk, vocab] block instead of the whole [tokens, vocab] matrix
-(151,936-way softmax per token is where RL trainers run out of memory). Values and gradients equal
-the naive computation (:func:`naive_logprobs_and_entropy`) to float32 rounding.
+so peak memory is one chunk's [rows, chunk, vocab] block instead of the whole [tokens, vocab]
+matrix (151,936-way softmax per token is where RL trainers run out of memory). Values and
+gradients equal the naive computation (:func:`naive_logprobs_and_entropy`) to float32 rounding.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _scale(temperature: float) -> float:
 
 
 def _chunk_logits(h, w, vocab_axis, scale):
-    eq = "nd,dv->nv" if vocab_axis == -1 else "nd,vd->nv"
+    eq = "...d,dv->...v" if vocab_axis == -1 else "...d,vd->...v"
     return jnp.einsum(eq, h, w, preferred_element_type=jnp.float32) * scale
 
 
@@ -53,14 +54,14 @@ def naive_logprobs_and_entropy(
 
 
 def _forward_chunks(h, w, y, vocab_axis, scale):
-    """(logp, entropy, lse) per token, h/y shaped [n_chunks, chunk, ...]."""
+    """(logp, entropy, lse) per token; h [n_chunks, B, chunk, D], y [n_chunks, B, chunk]."""
 
     def body(_, xs):
         hc, yc = xs
-        z = _chunk_logits(hc, w, vocab_axis, scale)
+        z = _chunk_logits(hc, w, vocab_axis, scale)  # [B, chunk, V]
         lse = jax.nn.logsumexp(z, axis=-1)
-        p = jnp.exp(z - lse[:, None])
-        logp = jnp.take_along_axis(z, yc[:, None], axis=-1)[:, 0] - lse
+        p = jnp.exp(z - lse[..., None])
+        logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - lse
         entropy = lse - jnp.sum(p * z, axis=-1)
         return None, (logp, entropy, lse)
 
@@ -86,19 +87,20 @@ def _chunked_bwd(vocab_axis, scale, residuals, grads):
     def body(dw, xs):
         hc, yc, lse_c, ent_c, gl, ge = xs
         z = _chunk_logits(hc, w, vocab_axis, scale)
-        log_p = z - lse_c[:, None]
-        # dz = gl (onehot(y) - p) - ge p (log p + H), the one-hot part as a scatter (no [C, V]
-        # one-hot matrix): one fused elementwise pass, then C additions.
-        dz = -jnp.exp(log_p) * (gl[:, None] + ge[:, None] * (log_p + ent_c[:, None]))
-        dz = dz.at[jnp.arange(yc.shape[0]), yc].add(gl)
-        dz = dz * scale
+        log_p = z - lse_c[..., None]
+        # dz = gl (onehot(y) - p) - ge p (log p + H), the one-hot part added where y is (no
+        # [B, C, V] one-hot matrix): one fused elementwise pass, then the additions.
+        dz = -jnp.exp(log_p) * (gl[..., None] + ge[..., None] * (log_p + ent_c[..., None]))
+        hit = jnp.arange(z.shape[-1])[None, None, :] == yc[..., None]
+        dz = (dz + jnp.where(hit, gl[..., None], 0.0)) * scale
         wf = w.astype(jnp.float32)
+        hf = hc.astype(jnp.float32)
         if vocab_axis == -1:
-            dh = dz @ wf.T
-            dw = dw + hc.astype(jnp.float32).T @ dz
+            dh = jnp.einsum("bcv,dv->bcd", dz, wf)
+            dw = dw + jnp.einsum("bcd,bcv->dv", hf, dz)
         else:
-            dh = dz @ wf
-            dw = dw + dz.T @ hc.astype(jnp.float32)
+            dh = jnp.einsum("bcv,vd->bcd", dz, wf)
+            dw = dw + jnp.einsum("bcv,bcd->vd", dz, hf)
         return dw, dh.astype(hc.dtype)
 
     dw0 = jnp.zeros(w.shape, jnp.float32)
@@ -121,12 +123,13 @@ def logprobs_and_entropy(
     """Per-token ``log p(y)`` and entropy of ``softmax(h W / τ)``, chunked over tokens.
 
     Args:
-      hidden: [..., D] final hidden states (after the final norm).
+      hidden: [..., N, D] final hidden states (after the final norm); leading axes are rows.
       weight: the LM head, [D, vocab] (``vocab_axis=-1``) or [vocab, D] (``vocab_axis=0``, a tied
         embedding table, used without a transpose).
       targets: int [...] token ids whose log-probs are wanted (the next tokens).
       temperature: the sampling temperature τ; 0 (greedy) means plain softmax.
-      chunk_size: tokens per chunk; peak memory is about chunk_size x vocab floats.
+      chunk_size: tokens per chunk over all rows (each row's chunk is chunk_size / rows, at
+        least 16); peak memory is about chunk_size x vocab floats.
 
     Returns:
       (logp, entropy), float32, shaped like ``targets``. Differentiable in hidden and weight.
@@ -137,18 +140,26 @@ def logprobs_and_entropy(
     if weight.ndim != 2 or weight.shape[1 if vocab_axis == 0 else 0] != d:
         raise ValueError(f"weight: shape {weight.shape} does not match hidden size {d}")
     shape = targets.shape
-    h = hidden.reshape(-1, d)
-    y = targets.reshape(-1).astype(jnp.int32)
-    n = h.shape[0]
-    chunk = max(1, min(chunk_size, n))
+    if hidden.shape[:-1] != shape:
+        raise ValueError(f"hidden: shape {hidden.shape} does not match targets {shape} + (D,)")
+    if len(shape) < 2:  # [N] tokens: one row
+        hidden, targets = hidden[None], targets[None]
+    h = hidden.reshape(-1, hidden.shape[-2], d)  # [rows, N, D]: the rows stay their own axis
+    y = targets.reshape(-1, targets.shape[-1]).astype(jnp.int32)
+    rows, n = y.shape
+    chunk = max(1, min(max(chunk_size // rows, 16), n))
     pad = (-n) % chunk
     if pad:
-        h = jnp.pad(h, ((0, pad), (0, 0)))
-        y = jnp.pad(y, (0, pad))
-    h = h.reshape(-1, chunk, d)
-    y = y.reshape(-1, chunk)
+        h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+        y = jnp.pad(y, ((0, 0), (0, pad)))
+    h = jnp.moveaxis(h.reshape(rows, -1, chunk, d), 1, 0)  # [n_chunks, rows, chunk, D]
+    y = jnp.moveaxis(y.reshape(rows, -1, chunk), 1, 0)
     logp, entropy = _chunked(h, weight, y, vocab_axis, _scale(temperature))
-    return logp.reshape(-1)[:n].reshape(shape), entropy.reshape(-1)[:n].reshape(shape)
+
+    def back(x):
+        return jnp.moveaxis(x, 0, 1).reshape(rows, -1)[:, :n].reshape(shape)
+
+    return back(logp), back(entropy)
 
 
 def token_logprobs(hidden, weight, targets, **kwargs) -> jax.Array:
