@@ -16,6 +16,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+# The tests' programs are tiny and many: XLA's cheapest CPU code generation compiles them about a
+# quarter faster (measured on the preset sweep) and runs them no slower at these sizes; the
+# trainer's subprocesses inherit it. Benchmarks and real runs keep the default optimisation.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "")
+        + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    ).strip()
+
 import jax  # noqa: E402  (after the environment: jax reads it on import)
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])

@@ -37,7 +37,15 @@ __all__ = [
 
 
 # Fields that may differ from the run's config.json on --resume (they change no computed number).
-RESUMABLE = ("steps", "eval_every", "checkpoint_every", "keep_checkpoints", "progress")
+RESUMABLE = (
+    "steps",
+    "eval_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "progress",
+    "device_memory",
+    "worker_timeout",
+)
 
 
 # Optimisation defaults: for the tiny random model of the default run, and for a pretrained
@@ -71,6 +79,7 @@ class TrainConfig:
     compute_dtype: str = "auto"
     opt_dtype: str = "float32"
     remat: str = "none"
+    device_memory: float = 0.0
     # Parallelism
     mesh: str = ""
     # Rollouts
@@ -81,6 +90,13 @@ class TrainConfig:
     max_new_tokens: int = 0
     drop_long_tasks: bool = False
     temperature: float = 1.0
+    # Asynchronous rollouts and the off-policy correction
+    max_staleness: int = 0
+    is_level: str = "token"
+    is_reduce: str = "sum"
+    is_cap: float = 2.0
+    is_mask: float = 0.0
+    worker_timeout: float = 1800.0
     # Optimisation (None: TINY_DEFAULTS, or PRETRAINED_DEFAULTS with a checkpoint)
     lr: float | None = None
     critic_lr: float | None = None
@@ -148,6 +164,8 @@ class TrainConfig:
             ("opt_dtype", DTYPES),
             ("compute_dtype", (*DTYPES, "auto")),
             ("remat", REMAT),
+            ("is_level", ("none", "token", "turn", "sequence")),
+            ("is_reduce", ("sum", "mean")),
         ):
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {valid}")
@@ -158,13 +176,25 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("max_len", "max_new_tokens", "warmup_steps", "eval_every", "eval_episodes"):
+        for name in (
+            "max_len",
+            "max_new_tokens",
+            "warmup_steps",
+            "eval_every",
+            "eval_episodes",
+            "max_staleness",
+            "is_mask",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.eval_split not in ("train", "test", "all"):
             raise ValueError(
                 f"eval_split: must be 'train', 'test' or 'all', got {self.eval_split!r}"
             )
+        if not self.is_cap > 0:
+            raise ValueError(f"is_cap: must be > 0, got {self.is_cap}")
+        if self.is_mask and self.is_mask <= 1:
+            raise ValueError(f"is_mask: must be 0 (off) or > 1, got {self.is_mask}")
         rollouts = self.prompts_per_step * self.group_size
         if rollouts % (self.minibatches * self.micro_batches):
             raise ValueError(
@@ -218,6 +248,18 @@ HELP: dict[str, str] = {
     "opt_dtype": f"optimizer moments dtype, one of {DTYPES}",
     "remat": f"what each decoder layer keeps for the backward pass, one of {REMAT} (full: its "
     "input only; dots: matmul outputs)",
+    "device_memory": "bytes a device holds, for the start-up memory plan (python -m train.plan): "
+    "0 = the device's own limit on GPU/TPU and no check on the CPU; -1 = no check",
+    "max_staleness": "K: the rollouts of step s may come from any policy version in [s-K, s] "
+    "(a worker samples ahead of the learner); 0: the synchronous loop",
+    "is_level": "span of the off-policy correction's truncated importance weight (proximal / "
+    "behaviour) when --max-staleness > 0: token, turn, sequence or none",
+    "is_reduce": "a turn's or sequence's log-ratio of the correction: sum (the span's likelihood "
+    "ratio) or mean (length-normalised)",
+    "is_cap": "truncate the correction's weights at this value",
+    "is_mask": "drop (weight 0) the tokens of spans whose weight lies outside [1/M, M] (0: off)",
+    "worker_timeout": "seconds the learner waits for the rollout worker's batch before it stops "
+    "the run with an error naming what the worker was doing",
     "drop_long_tasks": "drop the tasks whose prompt plus one turn does not fit --max-len "
     "(counted at start-up) instead of refusing to start",
     "layers": "layers of the tiny random model",

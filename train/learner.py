@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, struct
+from jax.sharding import NamedSharding
 
 from kernels.logprobs import logprobs_and_entropy
 from mpo_jax import losses
@@ -88,6 +89,7 @@ class ActionRows:
       positions: [B, A] int, the column of each action token (0 past a row's last one).
       loss_mask: [B, A] bool, True on real action tokens; turn_ids: [B, A] int (-1 off them).
       old_logp, advantages, ref_logp, values, returns: [B, A] float, where the loss reads them.
+      is_weights: [B, A] float, the off-policy correction's behaviour weights, where applied.
     """
 
     tokens: Any
@@ -99,6 +101,7 @@ class ActionRows:
     ref_logp: Any = None
     values: Any = None
     returns: Any = None
+    is_weights: Any = None
 
     @classmethod
     def of(cls, batch: TurnBatch, names=(), *, width: int | None = None) -> ActionRows:
@@ -231,11 +234,34 @@ class UpdateFns:
         self.critic_grad = jax.jit(jax.value_and_grad(self._critic_loss, has_aux=True))
         # parameters and optimizer state are donated: the update writes in place
         self.apply = jax.jit(self._apply, static_argnums=(0,), donate_argnums=(1, 2))
-        self.init = jax.jit(self._init, static_argnums=(0,))  # follows the params' sharding
 
-    def _init(self, which, params):
+    def init_fn(self, which, params):
+        """The jitted initialiser of ``which``'s optimizer state for ``params`` (arrays or
+        ShapeDtypeStructs): its moments placed like the parameters they follow (an fsdp-sharded
+        parameter has fsdp-sharded moments: left to itself, XLA replicates a ``zeros_like``),
+        its counters replicated over the same devices."""
         tx = self.actor_tx if which == "actor" else self.critic_tx
-        return tx.init(_cast(params, self.opt_dtype))
+
+        def init(params):
+            return tx.init(_cast(params, self.opt_dtype))
+
+        shardings = jax.tree.map(lambda x: getattr(x, "sharding", None), params)
+        named = [x for x in jax.tree.leaves(shardings) if isinstance(x, NamedSharding)]
+        if not named:
+            return jax.jit(init)
+        replicated = NamedSharding(named[0].mesh, jax.P())
+        out = optax.tree_utils.tree_map_params(
+            tx,
+            lambda _, sharding: sharding,
+            jax.eval_shape(init, params),
+            shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        return jax.jit(init, out_shardings=out)
+
+    def init(self, which, params):
+        """The optimizer state of ``which`` (``actor`` or ``critic``) for ``params``."""
+        return self.init_fn(which, params)(params)
 
     def _actor_loss(self, params, mb: ActionRows, normalizer, token_count):
         logp, ent = token_logprobs(
@@ -248,6 +274,7 @@ class UpdateFns:
             mb.loss_mask,
             mb.turn_ids,
             normalizer=normalizer,
+            is_weights=mb.is_weights,
             **self.algo.policy_loss_kwargs(),
         )
         mask = mb.loss_mask
@@ -293,10 +320,11 @@ class UpdateFns:
         return new_params, new_state, ok, norm
 
 
-def loss_fields(algo: Algorithm) -> tuple[str, ...]:
+def loss_fields(algo: Algorithm, *, behaviour: bool = False) -> tuple[str, ...]:
     """The per-token fields the actor and critic losses of ``algo`` read beside tokens, mask and
-    turn ids (a fixed structure for jit: the ragged TRACE and GiGPO fields stay out)."""
-    names = ["old_logp", "advantages"]
+    turn ids (a fixed structure for jit: the ragged TRACE and GiGPO fields stay out);
+    ``behaviour``: the off-policy correction's weights too."""
+    names = ["old_logp", "advantages", *(["is_weights"] if behaviour else [])]
     if algo.kl_coef:
         names.append("ref_logp")
     if algo.needs_critic:

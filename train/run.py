@@ -20,8 +20,10 @@ training split. Each set is logged under its own name (``eval_heldout_*``, ``eva
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -52,6 +54,7 @@ from train.config import (
 )
 from train.config import save_config as write_config
 from train.distributed import (
+    gather_array,
     gather_rollouts,
     initialize_from_env,
     is_multiprocess,
@@ -182,7 +185,13 @@ class Trainer:
             self.ref = jax.tree.map(jnp.copy, actor_params)
         self.batch_size = cfg.prompts_per_step * cfg.group_size
         # One sampler for training and evaluation: its cache lives only during a rollout.
-        self.sampler = Sampler(actor, capacity=cfg.max_len)
+        self.sampler = Sampler(
+            actor, capacity=cfg.max_len, mesh=None if is_multiprocess() else self.mesh
+        )
+        # Device work happens under self.device (a FairLock shared with an asynchronous rollout
+        # worker; nothing without one). The off-policy correction runs where data can be stale.
+        self.device = contextlib.nullcontext()
+        self.behaviour = cfg.max_staleness > 0 and cfg.is_level != "none"
         self.scorer = Scorer(
             rows=cfg.micro_rows, temperature=cfg.temperature, put=self._put, to_host=to_host
         )
@@ -206,6 +215,14 @@ class Trainer:
         graphdef, params = nnx.split(actor)
         return nnx.merge(graphdef, self._place(params))
 
+    def _on_mesh(self, *, sampling: bool = False):
+        """The mesh as JAX's current mesh during device work (the model then keeps activation
+        rows split over the data axes: train.qwen3.constrain_rows); none without a mesh, nor for
+        the sampler of a multi-process run, which samples with this host's own copy."""
+        if self.mesh is None or (sampling and is_multiprocess()):
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
+
     def _place(self, params):
         return params if self.mesh is None else shard_params(params, self.mesh)
 
@@ -215,11 +232,12 @@ class Trainer:
 
     # -- the RL step -------------------------------------------------------------------------------
 
-    def step(self, step: int) -> dict[str, float]:
-        """One RL step: rollout, scoring, credit, update (then evaluation when due)."""
+    def step(self, step: int, rollouts=None) -> dict[str, float]:
+        """One RL step: rollout (or the ``rollouts`` an asynchronous worker made), scoring,
+        credit, update (then evaluation when due)."""
         timer = PhaseTimer()
         with timer("rollout"):
-            rollouts = self.rollout(step)
+            rollouts = self.rollout(step) if rollouts is None else rollouts
         with timer("scoring"):
             batch, scored = self.score(rollouts)
             if self.cfg.validate_batches:
@@ -262,7 +280,11 @@ class Trainer:
 
     def rollout(self, step: int):
         """The step's rollouts: this process's share, then every process's (the global batch)."""
-        self.sampler.state = self._local_params()
+        return gather_rollouts(self.local_rollouts(step, self._local_params(), self.sampler))
+
+    def local_rollouts(self, step: int, params, sampler):
+        """This process's share of the step's rollouts, sampled with ``params``."""
+        sampler.state = params
         cfg = self.cfg
         batch_envs, groups = make_episodes(
             cfg.env,
@@ -272,19 +294,23 @@ class Trainer:
             group=cfg.group_size,
             options=self.env_options,
         )
-        local = collect(
-            batch_envs,
-            self.codec,
-            self.sampler,
-            group_ids=groups,
-            max_len=cfg.max_len,
-            max_new_tokens=self.max_new,
-            temperature=cfg.temperature,
-            seed=sampling_key(cfg.seed, TRAIN_STREAM, step, jax.process_index()),
-        )
-        return gather_rollouts(local)
+        with self._on_mesh(sampling=True):
+            return collect(
+                batch_envs,
+                self.codec,
+                sampler,
+                group_ids=groups,
+                max_len=cfg.max_len,
+                max_new_tokens=self.max_new,
+                temperature=cfg.temperature,
+                seed=sampling_key(cfg.seed, TRAIN_STREAM, step, jax.process_index()),
+            )
 
     def score(self, rollouts) -> tuple[TurnBatch, dict[str, float]]:
+        with self._on_mesh():
+            return self._score(rollouts)
+
+    def _score(self, rollouts) -> tuple[TurnBatch, dict[str, float]]:
         """The batch with old (actor) and reference log-probs, critic values and bootstrap values
         (the critic's value after the last action token, for truncated rows; 0 for finished
         ones), and TRACE's answer log-probs, scored micro-batch by micro-batch
@@ -308,7 +334,38 @@ class Trainer:
             scored["ref_kl"] = float(np.sum(kl) / max(int(b.loss_mask.sum()), 1))
         if self.algo.needs_reference_answers:
             fields["answer_logprobs"] = self._trace_scores(rollouts)
+        if self.behaviour:
+            fields["is_weights"], off_policy = self._behaviour_weights(b, fields["old_logp"])
+            scored.update(off_policy)
         return dataclasses.replace(b, **fields), scored
+
+    def _behaviour_weights(self, b: TurnBatch, proximal: np.ndarray):
+        """The off-policy correction (decoupled PPO): truncated weights proximal / behaviour at
+        ``--is-level`` (``mpo_jax.losses.behaviour_weights``), and what it did: the KL between the
+        two policies (k3 on the behaviour's samples), the share of action tokens and turns whose
+        weight was truncated or masked."""
+        cfg, mask = self.cfg, b.loss_mask
+        kwargs = dict(level=cfg.is_level, reduce=cfg.is_reduce, mask_bound=cfg.is_mask or None)
+        weights = losses.behaviour_weights(
+            proximal, b.sampler_logp, mask, b.turn_ids, cap=cfg.is_cap, **kwargs
+        )
+        raw = np.asarray(losses.behaviour_weights(
+            proximal, b.sampler_logp, mask, b.turn_ids, cap=None, **{**kwargs, "mask_bound": None}
+        ))  # fmt: skip
+        weights = np.asarray(weights, np.float32)
+        tokens = max(int(mask.sum()), 1)
+        truncated, masked = mask & (raw > cfg.is_cap), mask & (weights == 0) & (raw > 0)
+        rows, cols = np.nonzero(truncated | masked)
+        hit_turns = len(set(zip(rows.tolist(), b.turn_ids[rows, cols].tolist(), strict=True)))
+        turns = max(int(np.sum(num_turns(mask, b.turn_ids))), 1)
+        gap = np.where(mask, proximal - b.sampler_logp, 0)
+        return weights, {
+            "behaviour_kl": float(np.sum(np.where(mask, np.expm1(gap) - gap, 0)) / tokens),
+            "is_truncated_frac": float(truncated.sum() / tokens),
+            "is_masked_frac": float(masked.sum() / tokens),
+            "is_turn_affected_frac": hit_turns / turns,
+            "is_weight_mean": float(weights[mask].mean()) if mask.any() else 1.0,
+        }
 
     def _trace_scores(self, rollouts) -> np.ndarray:
         b = rollouts.batch
@@ -368,12 +425,15 @@ class Trainer:
         cfg = self.cfg
         returns = None if credit.returns is None else np.asarray(credit.returns)
         batch = batch.replace(advantages=np.asarray(credit.advantages), returns=returns)
-        batch = batch.only("tokens", "loss_mask", "turn_ids", *loss_fields(self.algo))
+        fields = loss_fields(self.algo, behaviour=self.behaviour)
+        batch = batch.only("tokens", "loss_mask", "turn_ids", *fields)
         rng = np.random.default_rng(cfg.seed * 31 + self.state["step"])
         totals: dict[str, float] = {}
         for _ in range(cfg.epochs):
             for rows in np.array_split(rng.permutation(self.batch_size), cfg.minibatches):
-                for k, v in self._minibatch(batch.take_rows(rows)).items():
+                with self._on_mesh(), self.device:
+                    out = self._minibatch(batch.take_rows(rows))
+                for k, v in out.items():
                     merge = max if k == "ratio_max" else (lambda a, b: a + b)
                     totals[k] = merge(totals[k], v) if k in totals else v
         return _summarise_updates(totals)
@@ -392,7 +452,7 @@ class Trainer:
         out = {"updates": 1.0, "skipped_updates": 0.0}
         for which, grad_fn, extra in jobs:
             grads, loss = None, 0.0
-            for micro in split_micro(mb, parts, loss_fields(algo)):
+            for micro in split_micro(mb, parts, loss_fields(algo, behaviour=self.behaviour)):
                 n_tok = float(micro.loss_mask.sum())
                 n_turns = float(num_turns(micro.loss_mask, micro.turn_ids).sum())
                 if self.micro_sharding is not None:
@@ -423,6 +483,63 @@ class Trainer:
             out[f"{prefix}_grad_norm"] = float(gnorm)
         return out
 
+    def run_async(self, steps: range):
+        """The steps' metrics with rollouts from a worker thread that samples ahead of the
+        learner (``--max-staleness`` K > 0; train/async_rollouts.py): each row records the
+        version that sampled it, the correction weights the learner's update, and the step's
+        metrics add staleness, the worker's and the learner's time and idle time, and steps/s."""
+        from train.async_rollouts import FairLock, RolloutWorker
+
+        self.device = lock = FairLock()
+        self.sampler.device = self.scorer.device = lock
+        worker_sampler = Sampler(
+            nnx.merge(self.models.actor, self.state["actor"]),
+            capacity=self.cfg.max_len,
+            mesh=None if is_multiprocess() else self.mesh,
+            device=lock,
+        )
+        worker = RolloutWorker(
+            lambda step, params: self.local_rollouts(step, params, worker_sampler),
+            start=steps.start,
+            steps=steps.stop,
+            max_staleness=self.cfg.max_staleness,
+            timeout=self.cfg.worker_timeout,
+        )
+        worker.publish(steps.start, self._published())
+        worker.begin()
+        last, idle = time.perf_counter(), 0.0
+        try:
+            for step in steps:
+                t0 = time.perf_counter()
+                local, version, generate_s = worker.take(step)
+                waited = time.perf_counter() - t0
+                rollouts = gather_rollouts(local)
+                versions = np.full(len(rollouts.batch.tokens), version, np.int32)
+                rollouts.batch = rollouts.batch.replace(policy_version=versions)
+                metrics = self.step(step, rollouts=rollouts)
+                worker.publish(step + 1, self._published())
+                now = time.perf_counter()
+                lag = step - gather_array(np.array([version]))
+                metrics.update(
+                    staleness_mean=float(lag.mean()),
+                    staleness_max=int(lag.max()),
+                    worker_generate_s=generate_s,
+                    worker_idle_s=worker.idle_s - idle,
+                    learner_wait_s=waited,
+                    device_wait_learner_s=lock.waited.get("MainThread", 0.0),
+                    device_wait_worker_s=lock.waited.get("rollout-worker", 0.0),
+                    steps_per_s=1.0 / max(now - last, 1e-9),
+                )
+                lock.waited.clear()
+                last, idle = now, worker.idle_s
+                yield metrics
+        finally:
+            worker.stop()
+
+    def _published(self):
+        """A copy of the actor's weights for the worker (the update donates its own)."""
+        return jax.tree.map(jnp.copy, self._local_params())
+
     def evaluate(self, step: int) -> dict[str, float]:
         """Success rate, unbiased pass@k and the environment's own figures on held-out tasks
         (``eval_heldout_*``: the environment's ``--eval-split``, by default tasks training never
@@ -438,20 +555,21 @@ class Trainer:
     def _evaluate_set(self, step: int, name: str, options: dict, which: int) -> dict[str, float]:
         cfg = self.cfg
         self.sampler.state = self._local_params()
-        metrics, _ = evaluate_set(
-            name,
-            env=cfg.env,
-            options=options,
-            codec=self.codec,
-            sampler=self.sampler,
-            seed=cfg.seed,
-            episodes=cfg.eval_episodes,
-            k=cfg.eval_k,
-            max_len=cfg.max_len,
-            max_new_tokens=self.max_new,
-            temperature=cfg.temperature,
-            key=sampling_key(cfg.seed, EVAL_STREAM, step * 2 + which, jax.process_index()),
-        )
+        with self._on_mesh(sampling=True):
+            metrics, _ = evaluate_set(
+                name,
+                env=cfg.env,
+                options=options,
+                codec=self.codec,
+                sampler=self.sampler,
+                seed=cfg.seed,
+                episodes=cfg.eval_episodes,
+                k=cfg.eval_k,
+                max_len=cfg.max_len,
+                max_new_tokens=self.max_new,
+                temperature=cfg.temperature,
+                key=sampling_key(cfg.seed, EVAL_STREAM, step * 2 + which, jax.process_index()),
+            )
         return metrics
 
 
@@ -530,6 +648,24 @@ def _write_config(trainer: Trainer, path: Path) -> None:
     write_config(cfg, path, algorithm=trainer.resolved())
 
 
+def check_memory_plan(cfg: TrainConfig) -> None:
+    """The start-up memory check, before a weight is read: the run's programs compiled on
+    abstract shapes (:func:`train.plan.make_plan`) against ``--device-memory`` (default: what the
+    GPU/TPU runtime reports; none on the CPU, where memory is the host's). Raises ``ValueError``
+    naming the flags that lower the program that does not fit."""
+    if cfg.device_memory < 0:
+        return
+    from train.plan import device_memory, make_plan
+
+    limit = int(cfg.device_memory) or device_memory()
+    if limit is None:
+        return
+    plan = make_plan(cfg, limit=limit)
+    if not plan.fits:
+        raise ValueError(plan.refusal())
+    _say(plan.verdict())
+
+
 def main(argv: list[str] | None = None) -> int:
     """One process of a run (several under ``jax.distributed``; see train/distributed.py). With
     several, the run directory must be on a filesystem they share; process 0 writes the config
@@ -543,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         print(refusal, file=sys.stderr)
         return 2
     try:
+        check_memory_plan(cfg)
         trainer = Trainer(cfg)
     except (ValueError, FileNotFoundError) as e:  # our start-up checks name the flag or file
         print(f"refused (nothing was written): {e}", file=sys.stderr)
@@ -559,8 +696,12 @@ def main(argv: list[str] | None = None) -> int:
     log = None
     if lead:
         log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
-    for step in range(start, cfg.steps):
-        metrics = trainer.step(step)
+    steps = range(start, cfg.steps)
+    if cfg.max_staleness:  # rollouts from a worker running ahead (train/async_rollouts.py)
+        results = trainer.run_async(steps)
+    else:
+        results = (trainer.step(step) for step in steps)
+    for step, metrics in zip(steps, results, strict=False):
         if log is not None:
             log.write(metrics)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:

@@ -28,6 +28,7 @@ with ``kernels.logprobs`` at the same temperature.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -151,6 +152,8 @@ class Sampler:
       batch_size: rows (conversations) a batch must have; None: whatever :meth:`start` gets.
       prefill_chunk: the most tokens a row prefills in one call (longer prompts and
         observations go in chunks: the attention's working set is chunk x capacity).
+      mesh: where the cache lives (rows over the data axes), if anywhere but one device.
+      device: a context held around each device program (default: none).
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class Sampler:
         batch_size: int | None = None,
         prefill_chunk: int = 512,
         mesh=None,
+        device=None,
     ):
         self.graphdef, self.state = nnx.split(model)
         self.cfg = model.cfg
@@ -169,6 +173,8 @@ class Sampler:
         self.prefill_chunk = prefill_chunk
         self.slots = cache_slots(capacity)
         self.mesh = mesh
+        # held around each program call (a lock shared with a learner thread, train.async_rollouts)
+        self.device = device if device is not None else contextlib.nullcontext()
         self.cache = None
         self.lengths = np.zeros(batch_size or 0, np.int32)
         self.next_logits = None
@@ -205,15 +211,17 @@ class Sampler:
             width = min(bucket(int(part.max())), self.prefill_chunk)
             chunk = np.zeros((len(rows), width), np.int32)
             chunk[:, : min(width, longest - lo)] = ids[:, lo : lo + width]
-            self.next_logits, self.cache = _extend_jit(
-                self.graphdef,
-                self.state,
-                self.cache,
-                jnp.asarray(chunk),
-                jnp.asarray(self.lengths),
-                jnp.asarray(part),
-                self.next_logits,
-            )
+            with self.device:
+                self.next_logits, self.cache = _extend_jit(
+                    self.graphdef,
+                    self.state,
+                    self.cache,
+                    jnp.asarray(chunk),
+                    jnp.asarray(self.lengths),
+                    jnp.asarray(part),
+                    self.next_logits,
+                )
+                jax.block_until_ready(self.next_logits)
             self.lengths = self.lengths + part
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
@@ -259,23 +267,24 @@ class Sampler:
             raise ValueError("generate: no live batch (call start first)")
         rows = len(self.lengths)
         act = np.ones(rows, bool) if active is None else np.asarray(active, bool)
-        self.cache, lengths, self.next_logits, stopped, out, out_lp = _decode_jit(
-            self.graphdef,
-            self.capacity,
-            self.state,
-            self.cache,
-            jnp.asarray(self.lengths),
-            self.next_logits,
-            jnp.asarray(act),
-            as_key(seed),
-            int(max_new_tokens),
-            float(temperature),
-            int(top_k),
-            float(top_p),
-            tuple(int(s) for s in stop_ids),
-        )
-        self.lengths = np.asarray(lengths)
-        out, out_lp = np.asarray(out), np.asarray(out_lp)
+        with self.device:
+            self.cache, lengths, self.next_logits, stopped, out, out_lp = _decode_jit(
+                self.graphdef,
+                self.capacity,
+                self.state,
+                self.cache,
+                jnp.asarray(self.lengths),
+                self.next_logits,
+                jnp.asarray(act),
+                as_key(seed),
+                int(max_new_tokens),
+                float(temperature),
+                int(top_k),
+                float(top_p),
+                tuple(int(s) for s in stop_ids),
+            )
+            self.lengths = np.asarray(lengths)
+            out, out_lp = np.asarray(out), np.asarray(out_lp)
         tokens, logprobs = [], []
         for i in range(rows):
             n = int(np.sum(out[i] >= 0))

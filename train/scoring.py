@@ -13,6 +13,7 @@ back as [B, T] arrays (zero off the action tokens), the layout credit assignment
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import jax
@@ -35,9 +36,12 @@ class Scorer:
         temperature: float,
         put: Callable = np.asarray,
         to_host: Callable = np.asarray,
+        device=None,
     ):
         self.rows, self.temperature = rows, temperature
         self.put, self.to_host = put, to_host
+        # held around each group's program (a lock shared with a rollout worker, if any)
+        self.device = device if device is not None else contextlib.nullcontext()
         self._logp = jax.jit(token_logprobs, static_argnums=0, static_argnames="temperature")
         self._values = jax.jit(values_and_bootstrap, static_argnums=0)
         self._answers = jax.jit(answer_logprobs, static_argnums=0)
@@ -56,14 +60,16 @@ class Scorer:
         """[B, T] log-probs of each action token given the ones before it (0 elsewhere)."""
         out = np.zeros(shape, np.float32)
         for rows, act in groups:
-            logp, _ = self._logp(
-                graphdef,
-                params,
-                self.put(act.tokens),
-                self.put(act.positions),
-                temperature=self.temperature,
-            )
-            out[rows] = act.scatter(self.to_host(logp), (len(rows), shape[1]))
+            with self.device:
+                logp, _ = self._logp(
+                    graphdef,
+                    params,
+                    self.put(act.tokens),
+                    self.put(act.positions),
+                    temperature=self.temperature,
+                )
+                logp = self.to_host(logp)
+            out[rows] = act.scatter(logp, (len(rows), shape[1]))
         return out
 
     def values(self, graphdef, params, groups, lengths: np.ndarray, shape):
@@ -72,15 +78,17 @@ class Scorer:
         values = np.zeros(shape, np.float32)
         boot = np.zeros(shape[0], np.float32)
         for rows, act in groups:
-            v, b = self._values(
-                graphdef,
-                params,
-                self.put(act.tokens),
-                self.put(act.positions),
-                self.put(lengths[rows].astype(np.int32)),
-            )
-            values[rows] = act.scatter(self.to_host(v), (len(rows), shape[1]))
-            boot[rows] = self.to_host(b)
+            with self.device:
+                v, b = self._values(
+                    graphdef,
+                    params,
+                    self.put(act.tokens),
+                    self.put(act.positions),
+                    self.put(lengths[rows].astype(np.int32)),
+                )
+                v, b = self.to_host(v), self.to_host(b)
+            values[rows] = act.scatter(v, (len(rows), shape[1]))
+            boot[rows] = b
         return values, boot
 
     def answers(self, graphdef, params, tokens, prefix_lengths, answers, answer_lengths):
@@ -94,13 +102,15 @@ class Scorer:
             rows = order[lo : lo + self.rows]
             fill = np.concatenate([rows, np.full(self.rows - len(rows), rows[0])])
             width = padded_length(int(prefix_lengths[fill].max()), cap=tokens.shape[1])
-            scores = self._answers(
-                graphdef,
-                params,
-                self.put(tokens[fill, :width]),
-                self.put(prefix_lengths[fill].astype(np.int32)),
-                self.put(answers[fill]),
-                self.put(answer_lengths[fill].astype(np.int32)),
-            )
-            out[rows] = self.to_host(scores)[: len(rows)]
+            with self.device:
+                scores = self._answers(
+                    graphdef,
+                    params,
+                    self.put(tokens[fill, :width]),
+                    self.put(prefix_lengths[fill].astype(np.int32)),
+                    self.put(answers[fill]),
+                    self.put(answer_lengths[fill].astype(np.int32)),
+                )
+                scores = self.to_host(scores)
+            out[rows] = scores[: len(rows)]
         return out

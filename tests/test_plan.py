@@ -1,0 +1,103 @@
+"""The memory plan on a tiny model: its state against the arrays a real trainer holds, its programs
+against the trainer's own compiled programs, the CLI on fake devices, a refused start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train import run
+from train.config import parse_args
+from train.plan import make_plan
+
+TINY = ["--layers", "2", "--width", "32", "--heads", "2", "--kv-heads", "1", "--prompts-per-step",
+        "4", "--group-size", "2", "--minibatches", "2", "--micro-batches", "2", "--eval-every",
+        "0", "--no-progress"]  # fmt: skip
+
+
+def _bytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """(plan, trainer) of the tiny configuration: one plan and one trainer for the module."""
+    cfg = parse_args([*TINY, "--run-dir", str(tmp_path_factory.mktemp("plan"))])
+    return make_plan(cfg), run.Trainer(cfg)
+
+
+def test_the_plans_state_is_what_a_trainer_holds(planned):
+    plan, trainer = planned
+    measured = {
+        "actor parameters": _bytes(trainer.state["actor"]),
+        "actor optimizer state": _bytes(trainer.state["actor_opt"]),
+        "critic parameters": _bytes(trainer.state["critic"]),
+        "critic optimizer state": _bytes(trainer.state["critic_opt"]),
+        "reference parameters": _bytes(trainer.ref),
+    }
+    for name, value in measured.items():
+        assert plan.state[name] == value, name
+    # the sampler's cache for the step's rollout rows, at the trainer's capacity
+    trainer.sampler.start([[1, 2]] * trainer.batch_size)
+    assert plan.state["sampler KV cache (rollouts only)"] == _bytes(trainer.sampler.cache)
+
+
+def test_the_plans_programs_are_the_trainers_compiled_programs(planned):
+    # The actor's training micro-step as the trainer compiles it for a worst-case micro-batch
+    # (--max-len tokens, every one an action token): the plan reports its own analysis.
+    from train.learner import ActionRows
+
+    plan, trainer = planned
+    rows, t = trainer.cfg.micro_rows, trainer.cfg.max_len
+    batch = ActionRows(
+        tokens=jnp.zeros((rows, t), jnp.int32),
+        positions=jnp.zeros((rows, t), jnp.int32),
+        loss_mask=jnp.ones((rows, t), bool),
+        turn_ids=jnp.zeros((rows, t), jnp.int32),
+        **{n: jnp.zeros((rows, t)) for n in ("old_logp", "advantages", "values", "returns")},
+    )
+    compiled = trainer.fns.actor_grad.lower(trainer.state["actor"], batch, 1.0, 1.0).compile()
+    m = compiled.memory_analysis()
+    own = (
+        m.argument_size_in_bytes
+        - _bytes(trainer.state["actor"])
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+    (planned,) = [p for p in plan.programs if p.name == "training micro-step (actor)"]
+    assert planned.own == pytest.approx(own, rel=0.01)
+    assert (
+        planned.resident
+        == sum(v for k, v in plan.state.items() if "only)" not in k)
+        + plan.state["gradient accumulator (updates only)"]
+    )
+
+
+def test_the_plan_cli_on_fake_devices_ends_with_its_verdict():
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "train.plan", "--devices", "2", "--mesh", "1,2,1",
+           "--device-memory", "1e9", "--preset", "grpo", "--no-log-ref-kl", *TINY]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "per device (2 device(s)), GiB"
+    assert lines[-1].startswith("peak per device: ") and lines[-1].endswith(" of 0.93 GiB: fits")
+
+
+def test_a_plan_that_does_not_fit_is_refused_at_start_naming_the_flags(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = run.main([*TINY, "--device-memory", "200000", "--run-dir", str(run_dir)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "refused (nothing was written): the memory plan does not fit:" in err
+    assert "GiB a device of 0.00 GiB; change --" in err
+    assert not run_dir.exists()

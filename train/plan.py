@@ -1,0 +1,339 @@
+"""A memory plan before a single weight is read: each program of a run compiled on abstract shapes.
+
+    python -m train.plan --model-path configs/qwen3-4b --max-len 16384 --mesh 1,8,1 \\
+        --devices 8 --device-memory 141e9 [any train.run flag]
+
+``--model-path`` needs only ``config.json`` (the tokenizer falls back to the bundled one). The
+plan takes the trainer's own flags, builds the run's state as ``jax.ShapeDtypeStruct`` s placed
+on the mesh (``--devices N`` fakes N devices on the CPU), compiles with XLA (``.lower(...)
+.compile()``) every program the run executes at its worst-case shapes (``--max-len`` tokens a
+row), and reads XLA's own memory analysis of each (arguments, outputs, temporaries, aliasing;
+per device, as the SPMD program is partitioned). No weight is materialised.
+
+Programs: the sampler's prefill chunk and decode loop (the KV cache of the step's rollout rows,
+donated), scoring (one micro-batch through the actor, the critic and the reference), the actor's
+and the critic's training micro-step (loss and gradients of one micro-batch at ``--remat``),
+and the optimizer update (parameters and moments donated). The state a program does not take as
+an argument is resident beside it (the other model's parameters and moments, the reference, the
+gradient accumulator during an update) and is added to its peak. The last line reads
+``peak per device: X GiB of Y GiB: fits`` (or ``: does not fit``, naming the flags that lower the
+program that does not fit). ``train.run`` runs the same check at start-up on an accelerator (or
+with ``--device-memory``) and refuses a plan that does not fit.
+
+The memory analysis is the CPU compiler's: GPU and TPU compilers fuse and schedule differently,
+so the figures are a plan, checked against a measured run in ``benchmarks/memory.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Plan", "Program", "make_plan", "main", "device_memory", "GIB"]
+
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class Program:
+    """One compiled program's memory per device: its own (arguments not resident elsewhere,
+    outputs, temporaries, less aliasing) and the resident state beside it."""
+
+    name: str
+    own: int
+    resident: int
+    flags: str  # what to change when this program does not fit
+
+    @property
+    def peak(self) -> int:
+        return self.own + self.resident
+
+
+@dataclasses.dataclass
+class Plan:
+    """Per-device bytes of the state and of every program's peak; ``limit`` the device's."""
+
+    devices: int
+    state: dict[str, int]
+    programs: list[Program]
+    limit: int | None
+
+    @property
+    def peak(self) -> int:
+        return max(p.peak for p in self.programs)
+
+    @property
+    def fits(self) -> bool:
+        return self.limit is None or self.peak <= self.limit
+
+    def worst(self) -> Program:
+        return max(self.programs, key=lambda p: p.peak)
+
+    def verdict(self) -> str:
+        limit = "?" if self.limit is None else f"{self.limit / GIB:.2f}"
+        fits = "fits" if self.fits else "does not fit"
+        return f"peak per device: {self.peak / GIB:.2f} GiB of {limit} GiB: {fits}"
+
+    def table(self) -> str:
+        lines = [f"per device ({self.devices} device(s)), GiB", "", "| state | GiB |", "|---|---|"]
+        lines += [f"| {k} | {v / GIB:.3f} |" for k, v in self.state.items()]
+        lines += ["", "| program | own | resident beside it | peak |", "|---|---|---|---|"]
+        for p in self.programs:
+            lines.append(
+                f"| {p.name} | {p.own / GIB:.3f} | {p.resident / GIB:.3f} | {p.peak / GIB:.3f} |"
+            )
+        return "\n".join(lines)
+
+    def refusal(self) -> str:
+        worst = self.worst()
+        return (
+            f"the memory plan does not fit: {worst.name} needs {worst.peak / GIB:.2f} GiB a "
+            f"device of {self.limit / GIB:.2f} GiB; change {worst.flags} (python -m train.plan "
+            "with the same flags prints the whole plan)"
+        )
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes of one device's shards of a pytree of (sharded) ShapeDtypeStructs or arrays."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.shape
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None:
+            shape = sharding.shard_shape(shape)
+        total += int(np.prod(shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _abstract(tree, shardings=None):
+    """ShapeDtypeStructs of a pytree (placed with ``shardings``, a matching pytree, if given)."""
+    if shardings is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def _own(compiled, resident_args: int) -> int:
+    """A compiled program's own bytes: arguments (less those resident anyway), outputs and
+    temporaries, less what outputs alias of the arguments (donation)."""
+    m = compiled.memory_analysis()
+    return int(
+        m.argument_size_in_bytes
+        - resident_args
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+    )
+
+
+def device_memory() -> int | None:
+    """The first local device's memory limit (GPU/TPU), or None where the runtime says none."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def make_plan(cfg, *, limit: int | None = None):
+    """The plan of ``cfg`` (a :class:`train.config.TrainConfig`) on this process's devices."""
+    from flax import nnx
+
+    import envs
+    from mpo_jax import algorithms
+    from train.build import compute_dtype, model_config, needs_reference, run_codec
+    from train.learner import ActionRows, Models, UpdateFns, loss_fields, make_optimizer
+    from train.qwen3 import KVCache, Qwen3ForCausalLM, Qwen3ValueModel
+    from train.sampler import _decode_jit, _extend_jit, bucket, cache_sharding, cache_slots
+    from train.scoring import Scorer
+    from train.sharding import batch_sharding, batch_ways, make_mesh, param_shardings
+
+    cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype(cfg.compute_dtype))
+    algo = algorithms.get(cfg.preset, **cfg.algo_set)
+    probe = envs.make(cfg.env, seed=0, **{"split": "train", **cfg.env_set})
+    try:
+        codec = run_codec(cfg, probe)
+    except (ValueError, FileNotFoundError):  # a folder with config.json alone: the bundled one
+        codec = run_codec(dataclasses.replace(cfg, model_path=None, init_from=None), probe)
+    mc = model_config(cfg, codec)
+    max_len = cfg.max_len or probe.max_episode_tokens(codec) or 8192
+    max_new = cfg.max_new_tokens or probe.turn_budget or 256
+    n = len(jax.devices())
+    data, fsdp, tensor = cfg.mesh_shape() or (-1, 1, 1)
+    mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+
+    def compile_(fn, *args, **kwargs):
+        with jax.set_mesh(mesh):  # as the trainer runs its device work: on the mesh
+            return fn.lower(*args, **kwargs).compile()
+
+    def placed(model_cls):
+        """(graphdef, parameters as ShapeDtypeStructs placed by the sharding rules)."""
+        abstract = nnx.eval_shape(lambda: model_cls(mc, rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(abstract)
+        shardings = param_shardings(state, mesh)
+        flat = [
+            (
+                path,
+                var.replace(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=shardings[path])),
+            )
+            for path, var in nnx.to_flat_state(state)
+        ]
+        return graphdef, nnx.from_flat_state(flat)
+
+    actor_def, actor = placed(Qwen3ForCausalLM)
+    critic_def, critic = placed(Qwen3ValueModel) if algo.needs_critic else (None, None)
+    opt = dict(warmup_steps=cfg.warmup_steps, clip=cfg.grad_clip, weight_decay=cfg.weight_decay)
+    fns = UpdateFns(
+        Models(actor_def, critic_def),
+        algo,
+        make_optimizer(cfg.lr, **opt),
+        make_optimizer(cfg.critic_lr, **opt),
+        temperature=cfg.temperature,
+        entropy_coef=cfg.entropy_coef,
+        opt_dtype=jnp.dtype(cfg.opt_dtype),
+    )
+    models = {"actor": actor} | ({"critic": critic} if critic is not None else {})
+    opts = {}
+    replicated = jax.sharding.NamedSharding(mesh, jax.P())
+
+    def on_mesh(sharding):  # scalars of the state come back on one device: replicate them
+        return sharding if set(sharding.device_set) == set(mesh.devices.flat) else replicated
+
+    for which, params in models.items():
+        init = compile_(fns.init_fn(which, params), params)
+        shardings = jax.tree.map(on_mesh, init.output_shardings)
+        opts[which] = _abstract(init.out_info, shardings)
+
+    state = {"actor parameters": _bytes_per_device(actor)}
+    state["actor optimizer state"] = _bytes_per_device(opts["actor"])
+    if critic is not None:
+        state["critic parameters"] = _bytes_per_device(critic)
+        state["critic optimizer state"] = _bytes_per_device(opts["critic"])
+    if needs_reference(cfg, algo):
+        state["reference parameters"] = state["actor parameters"]
+    resident = sum(state.values())
+    rows = cfg.prompts_per_step * cfg.group_size // jax.process_count()
+    slots = cache_slots(max_len)
+    cache_shard = cache_sharding(mc, rows, mesh)
+    cache_shape = jax.eval_shape(lambda: KVCache.empty(mc, rows, slots))
+    cache = _abstract(cache_shape, KVCache(cache_shard, cache_shard))
+    state["sampler KV cache (rollouts only)"] = _bytes_per_device(cache)
+    grads = _bytes_per_device(actor)
+    state["gradient accumulator (updates only)"] = grads
+
+    def host(shape, dtype, sharded=False):
+        spec = batch_sharding(mesh) if sharded else jax.sharding.NamedSharding(mesh, jax.P())
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=spec)
+
+    actor_bytes = state["actor parameters"]
+    programs = []
+    chunk = min(512, bucket(max_len))
+    vocab = mc.vocab_size
+    prefill = compile_(
+        _extend_jit, actor_def, actor, cache, host((rows, chunk), jnp.int32),
+        host((rows,), jnp.int32), host((rows,), jnp.int32), host((rows, vocab), jnp.float32),
+    )  # fmt: skip
+    rollout_flags = "--prompts-per-step / --group-size (rollout rows), --max-len, --mesh"
+    programs.append(Program("sampler prefill", _own(prefill, actor_bytes), resident, rollout_flags))
+    decode = compile_(
+        _decode_jit, actor_def, max_len, actor, cache, host((rows,), jnp.int32),
+        host((rows, vocab), jnp.float32), host((rows,), bool), jax.random.key(0), max_new,
+        cfg.temperature, 0, 1.0, (1,),
+    )  # fmt: skip
+    programs.append(Program("sampler decode", _own(decode, actor_bytes), resident, rollout_flags))
+
+    micro = cfg.micro_rows
+    rows_spec = dict(sharded=micro % batch_ways(mesh) == 0)
+    # the worst case: rows of --max-len tokens, every one of them an action token
+    tokens = host((micro, max_len), jnp.int32, **rows_spec)
+    positions = host((micro, max_len), jnp.int32, **rows_spec)
+    scorer = Scorer(rows=micro, temperature=cfg.temperature)
+    score_flags = "--micro-batches, --max-len, --mesh"
+    logp = compile_(scorer._logp, actor_def, actor, tokens, positions, temperature=cfg.temperature)
+    programs.append(Program("scoring (actor)", _own(logp, actor_bytes), resident, score_flags))
+    if critic is not None:
+        values = compile_(
+            scorer._values, critic_def, critic, tokens, positions,
+            host((micro,), jnp.int32, **rows_spec),
+        )  # fmt: skip
+        own = _own(values, state["critic parameters"])
+        programs.append(Program("scoring (critic)", own, resident, score_flags))
+
+    dtypes = {"loss_mask": bool, "turn_ids": jnp.int32}
+    batch = ActionRows(
+        tokens=tokens,
+        positions=positions,
+        **{
+            name: host((micro, max_len), dtypes.get(name, jnp.float32), **rows_spec)
+            for name in ("loss_mask", "turn_ids", *loss_fields(algo))
+        },
+    )
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    train_flags = "--micro-batches, --remat, --max-len, --mesh (fsdp)"
+    accumulate = grads if cfg.micro_batches > 1 else 0
+    for which, grad_fn, extra in (
+        ("actor", fns.actor_grad, (scalar, scalar)),
+        ("critic", fns.critic_grad, (scalar,)),
+    ):
+        if which not in models:
+            continue
+        params = models[which]
+        step = compile_(grad_fn, params, batch, *extra)
+        own = _own(step, _bytes_per_device(params))
+        programs.append(
+            Program(f"training micro-step ({which})", own, resident + accumulate, train_flags)
+        )
+        update = compile_(fns.apply, which, params, opts[which], params, scalar)
+        own = _own(update, _bytes_per_device(params) + _bytes_per_device(opts[which]))
+        update_flags = "--mesh (fsdp), --param-dtype, --opt-dtype"
+        programs.append(Program(f"optimizer update ({which})", own, resident, update_flags))
+    return Plan(n, state, programs, limit)
+
+
+def _split_argv(argv):
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--devices", type=int, default=None)
+    parser.add_argument("--device-memory", type=float, default=None)
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints the plan of a run's flags (plus ``--devices N`` and ``--device-memory BYTES``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        print("plan flags: --devices N (fake N CPU devices), --device-memory BYTES; and every")
+        print("flag of python -m train.run --help")
+        return 0
+    ours, rest = _split_argv(argv)
+    if ours.devices:
+        from jax._src import xla_bridge
+
+        if not xla_bridge.backends_are_initialized():  # fake the devices before JAX starts
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", ours.devices)
+        elif len(jax.devices()) != ours.devices:  # too late in this process: a fresh one
+            if os.environ.get("MPO_JAX_PLAN_CHILD"):
+                raise SystemExit(f"--devices: could not fake {ours.devices} devices")
+            import subprocess
+
+            env = {**os.environ, "MPO_JAX_PLAN_CHILD": "1"}
+            cmd = [sys.executable, "-m", "train.plan", *argv]
+            return subprocess.run(cmd, env=env).returncode
+    from train.config import parse_args
+
+    cfg = parse_args(["--run-dir", os.devnull, *rest] if "--run-dir" not in rest else rest)
+    limit = int(ours.device_memory) if ours.device_memory else device_memory()
+    plan = make_plan(cfg, limit=limit)
+    print(plan.table())
+    print()
+    print(plan.verdict())
+    return 0 if plan.fits else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
