@@ -31,6 +31,7 @@ import functools
 import json
 import os
 import re
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,7 @@ class ChatFormat:
         if "TOOL-RESULT" not in probe:
             raise ChatTemplateError(f"{source}: the chat template does not render tool messages")
         self._prompts: dict[str, list[int]] = {}
+        self._lock = threading.Lock()  # rollouts may run in a worker thread beside evaluation
 
     # -- the template's pieces, read off renders ---------------------------------------------
 
@@ -302,10 +304,11 @@ class ChatFormat:
         key = json.dumps([messages, tools or None], sort_keys=True, default=str)
         ids = self._prompts.get(key)
         if ids is None:
-            text = self._render(messages, tools=tools, add_generation_prompt=True)
-            ids = self._prompts[key] = self.encode(text)
-            while len(self._prompts) > 256:
-                self._prompts.pop(next(iter(self._prompts)))
+            ids = self.encode(self._render(messages, tools=tools, add_generation_prompt=True))
+            with self._lock:
+                self._prompts[key] = ids
+                while len(self._prompts) > 256:
+                    self._prompts.pop(next(iter(self._prompts)))
         return list(ids)
 
     def observation(self, obs) -> list[int]:

@@ -481,6 +481,9 @@ PRESETS: dict[str, Algorithm] = {
         Algorithm("ppo", "token_gae"),
         Algorithm("turn_ppo", "turn_gae"),
         Algorithm("mpo", "multiscale", ratio_level="turn"),
+        # MPO with the turn ratio length-normalised (the geometric mean of GSPO and ST-PPO): the
+        # paper's product ratio over a turn of n tokens moves n times as fast as a token's.
+        Algorithm("mpo_turn_mean", "multiscale", ratio_level="turn", ratio_reduce="mean"),
         Algorithm("grpo", "group", aggregation="seq_mean_token_mean"),
         Algorithm("dr_grpo", "group", group=Group(scale="none"), aggregation="seq_mean_token_sum"),
         Algorithm("rloo", "group", group=Group(baseline="leave_one_out", scale="none")),

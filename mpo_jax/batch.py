@@ -87,6 +87,9 @@ class TurnBatch:
         answer at each boundary (TRACE).
       step_keys: [B, K] int, a per-turn environment state key (GiGPO), -1 where no turn.
       advantages, returns: [B, T] float, the credit and the critic's targets once computed.
+      is_weights: [B, T] float, the truncated behaviour weights ρ̄ of an off-policy correction
+        (``mpo_jax.losses.behaviour_weights``), where the learner applies one.
+      policy_version: [B] int, the policy version (updates applied) that sampled the row's turns.
     """
 
     tokens: Any
@@ -106,6 +109,8 @@ class TurnBatch:
     step_keys: Any = None
     advantages: Any = None
     returns: Any = None
+    is_weights: Any = None
+    policy_version: Any = None
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -213,6 +218,7 @@ _TOKEN_FLOAT_FIELDS = (
     "sampler_logp",
     "advantages",
     "returns",
+    "is_weights",
 )
 # Every [B, T] field: what :meth:`TurnBatch.narrow` cuts.
 TOKEN_FIELDS = ("tokens", "loss_mask", "turn_ids", *_TOKEN_FLOAT_FIELDS)
@@ -271,6 +277,12 @@ def validate(batch: TurnBatch, *, vocab_size: int | None = None) -> None:
     for name, kind in (("group_ids", "int"), ("truncated", "bool")):
         _check_shape(name, f[name], (b,))
         _check_dtype(name, f[name], kind)
+    if f["is_weights"] is not None and (f["is_weights"] < 0).any():
+        row, col = _first_bad_row(f["is_weights"] < 0)
+        raise ValueError(f"is_weights[{row}]: negative weight at position {col}")
+    if f["policy_version"] is not None:
+        _check_shape("policy_version", f["policy_version"], (b,))
+        _check_dtype("policy_version", f["policy_version"], "int")
     if f["bootstrap_values"] is not None:
         _check_shape("bootstrap_values", f["bootstrap_values"], (b,))
         _check_dtype("bootstrap_values", f["bootstrap_values"], "float")

@@ -25,8 +25,10 @@ from mpo_jax.segments import (
 
 __all__ = [
     "AGGREGATIONS",
+    "IS_LEVELS",
     "aggregate",
     "policy_loss",
+    "behaviour_weights",
     "value_loss",
     "kl_penalty",
     "entropy_from_logprobs",
@@ -38,6 +40,7 @@ Aggregation = Literal[
 ]
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "turn_mean_token_mean")
 RATIO_LEVELS = ("token", "turn", "sequence")
+IS_LEVELS = RATIO_LEVELS  # the spans a behaviour weight is computed over
 
 
 def aggregate(
@@ -111,6 +114,7 @@ def policy_loss(
     aggregation: Aggregation = "token_mean",
     normalizer: ArrayLike | None = None,
     turns: Turns | None = None,
+    is_weights: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The clipped surrogate with the importance ratio at token, turn or sequence level.
 
@@ -136,6 +140,10 @@ def policy_loss(
         batch's count when accumulating micro-batches).
       turns: the batch's turn structure (:func:`mpo_jax.segments.turn_structure`); computed here,
         once, when not given, and shared by the ratio, the aggregation and the clip metrics.
+      is_weights: [B, T] behaviour weights ρ̄ (:func:`behaviour_weights`, decoupled PPO): each
+        token's clipped term is multiplied by its (stop-gradient) weight, ``ℓ_t ← ρ̄_t ℓ_t``;
+        ``old_logp`` is then the proximal policy and the weights correct the gap to the policy
+        that sampled. None: no correction (on-policy data).
 
     Returns:
       (loss, metrics): metrics hold ``loss_sum``, ``loss_count``, ``clip_frac`` (tokens),
@@ -182,6 +190,10 @@ def policy_loss(
         bound = -dual_clip * adv
         dual = mask & (adv < 0) & (per_token > bound)
         per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)
+    if is_weights is not None:
+        check_same_shape("policy_loss", None, is_weights=is_weights, loss_mask=loss_mask)
+        weights = jax.lax.stop_gradient(jnp.asarray(is_weights, dtype))
+        per_token = jnp.where(mask, weights * per_token, 0)
     total, count = aggregate(per_token, mask, turn_ids, mode=aggregation, turns=turns)
     denom = count if normalizer is None else jnp.asarray(normalizer, dtype)
     loss = total / jnp.maximum(denom, 1e-8)
@@ -204,6 +216,69 @@ def policy_loss(
         "ratio_max": jnp.max(jnp.where(mask, value_ratio, -jnp.inf), initial=0.0),
     }
     return loss, metrics
+
+
+def behaviour_weights(
+    old_logp: ArrayLike,
+    sampler_logp: ArrayLike,
+    loss_mask: ArrayLike,
+    turn_ids: ArrayLike,
+    *,
+    level: Literal["token", "turn", "sequence"] = "token",
+    reduce: Literal["sum", "mean"] = "sum",
+    cap: float | None = 2.0,
+    mask_bound: float | None = None,
+    log_clamp: float = 20.0,
+    turns: Turns | None = None,
+) -> jax.Array:
+    """Truncated importance weights of the proximal policy against the behaviour policy.
+
+    Decoupled PPO (Hilton et al. 2022; AReaL): a token was sampled by the behaviour policy b
+    (``sampler_logp``), the update's clipped ratio is taken against the proximal policy p (the
+    learner's policy when the update starts, ``old_logp``), and the gap between the two is
+    corrected by a stop-gradient weight. With D the log-ratio p − b of the level's span (token:
+    the token itself; turn: Σ over the turn S_k, MPO's span; sequence: Σ over the row's action
+    tokens; ``reduce="mean"`` divides by the span's length: the geometric mean), clamped to
+    ``±log_clamp``:
+
+        ρ = exp(D),   ρ̄ = min(ρ, C)          (C = ``cap``; None: no truncation)
+
+    and with ``mask_bound`` M, every token of a span whose ρ lies outside [1/M, M] gets weight
+    0 (dropped rather than truncated). Each token of a span carries its span's weight. Untruncated,
+    E_b[ρ f] = E_p[f] for any f of the span (``reduce="sum"``: the exact likelihood ratio of the
+    span); truncation trades that unbiasedness for bounded variance (the long-turn product of
+    per-token ratios is what explodes: 1.1 per token over 100 tokens is 1.1^100).
+
+    Returns:
+      [B, T] weights, 0 off ``loss_mask`` (stop-gradient: neither policy is being optimised).
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"level: unknown level {level!r}; choose one of {IS_LEVELS}")
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"reduce: unknown reduction {reduce!r}; choose 'sum' or 'mean'")
+    if cap is not None and not cap > 0:
+        raise ValueError(f"cap: must be > 0 (or None), got {cap}")
+    if mask_bound is not None and not mask_bound > 1:
+        raise ValueError(f"mask_bound: must be > 1 (or None), got {mask_bound}")
+    check_token_arrays(
+        "behaviour_weights",
+        old_logp=old_logp,
+        sampler_logp=sampler_logp,
+        loss_mask=loss_mask,
+        turn_ids=turn_ids,
+    )
+    dtype = float_dtype(old_logp, sampler_logp)
+    mask = jnp.asarray(loss_mask, bool)
+    p = jnp.where(mask, jnp.asarray(old_logp, dtype), 0)
+    b = jnp.where(mask, jnp.asarray(sampler_logp, dtype), 0)
+    if turns is None and level == "turn":
+        turns = turn_structure(mask, turn_ids)
+    d = _ratio_log(p, b, mask, turn_ids, level, reduce, turns)
+    rho = jnp.exp(jnp.clip(d, -log_clamp, log_clamp))
+    weights = rho if cap is None else jnp.minimum(rho, cap)
+    if mask_bound is not None:
+        weights = jnp.where((rho < 1 / mask_bound) | (rho > mask_bound), 0, weights)
+    return jax.lax.stop_gradient(jnp.where(mask, weights, 0))
 
 
 def value_loss(
