@@ -10,7 +10,7 @@ data packages they read, load on the first ``make``.
 
 import importlib
 
-from envs import synthetic  # noqa: F401  (registers the synthetic tasks)
+from envs import calls, synthetic  # noqa: F401  (registers the synthetic tasks)
 from envs.base import Env, Observation, StepResult
 from envs.registry import list_envs, make, register
 

@@ -1,7 +1,9 @@
 """Attention by position without a [Tq, Tk] matrix per head: blockwise online softmax.
 
 For queries q_t, keys k_s and values v_s with positions, key s is visible to query t iff
-``pos(s) <= pos(t)`` and ``valid(s)``; with ``scale = 1/sqrt(D)`` by default,
+``lower(t) <= pos(s) <= pos(t)`` and ``valid(s)`` (``lower``: the first position a query may see,
+the start of its own sequence when several are packed in one row; default: none); with
+``scale = 1/sqrt(D)`` by default,
 
     o_t = Σ_s p_ts v_s,   p_ts = exp(z_ts - lse_t),   z_ts = scale · q_t·k_s,
     lse_t = log Σ_{s visible} exp(z_ts)                   (o_t = 0 when nothing is visible)
@@ -39,13 +41,14 @@ IMPLEMENTATIONS = ("chunked", "cudnn", "reference")
 _NEG = -jnp.inf
 
 
-def _visible(q_pos, k_pos, k_valid):
+def _visible(q_pos, k_pos, k_valid, q_lower):
     """[B, 1, 1, Tq, Tk] bool: key s visible to query t (broadcast over kv heads and groups)."""
     mask = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+    mask = mask & (k_pos[:, None, :] >= q_lower[:, :, None])
     return mask[:, None, None]
 
 
-def _defaults(q, k, q_positions, k_positions, k_valid):
+def _defaults(q, k, q_positions, k_positions, k_valid, q_lower=None):
     b, tq = q.shape[:2]
     tk = k.shape[1]
     if q_positions is None:
@@ -54,7 +57,14 @@ def _defaults(q, k, q_positions, k_positions, k_valid):
         k_positions = jnp.broadcast_to(jnp.arange(tk, dtype=jnp.int32), (b, tk))
     if k_valid is None:
         k_valid = jnp.ones((b, tk), bool)
-    return q_positions.astype(jnp.int32), k_positions.astype(jnp.int32), k_valid.astype(bool)
+    if q_lower is None:
+        q_lower = jnp.full((b, tq), jnp.iinfo(jnp.int32).min, jnp.int32)
+    return (
+        q_positions.astype(jnp.int32),
+        k_positions.astype(jnp.int32),
+        k_valid.astype(bool),
+        q_lower.astype(jnp.int32),
+    )
 
 
 def _check(q, k, v):
@@ -70,16 +80,18 @@ def _check(q, k, v):
         )
 
 
-def reference_attention(q, k, v, q_positions=None, k_positions=None, k_valid=None, *, scale=None):
+def reference_attention(
+    q, k, v, q_positions=None, k_positions=None, k_valid=None, q_lower=None, *, scale=None
+):
     """The whole [Tq, Tk] score matrix, masked, softmaxed in float32 (the test reference)."""
     _check(q, k, v)
-    qp, kp, kv = _defaults(q, k, q_positions, k_positions, k_valid)
+    qp, kp, kv, lo = _defaults(q, k, q_positions, k_positions, k_valid, q_lower)
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     scale = d**-0.5 if scale is None else scale
     qg = q.reshape(b, tq, hkv, hq // hkv, d)
     z = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = _visible(qp, kp, kv)
+    mask = _visible(qp, kp, kv, lo)
     z = jnp.where(mask, z, _NEG)
     m = jnp.max(z, axis=-1, keepdims=True)
     p = jnp.where(mask, jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0)), 0)
@@ -123,14 +135,14 @@ def _block_ranges(q_pos, k_pos, k_valid, bq, bk):
     return span(needed), span(needed.T)
 
 
-def _scores(qi, kj, qpos_i, kpos_j, kval_j, scale):
+def _scores(qi, kj, qpos_i, kpos_j, kval_j, qlo_i, scale):
     """(z [B, Hkv, G, bq, bk] float32 with invisible entries at -inf, visible mask)."""
     z = jnp.einsum("bqhgd,bkhd->bhgqk", qi, kj, preferred_element_type=jnp.float32) * scale
-    mask = _visible(qpos_i, kpos_j, kval_j)
+    mask = _visible(qpos_i, kpos_j, kval_j, qlo_i)
     return jnp.where(mask, z, _NEG), mask
 
 
-def _forward(q, k, v, q_pos, k_pos, k_valid, scale, bq, bk):
+def _forward(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk):
     """Blocked inputs -> (out [B, nq, bq, Hkv, G, D] float32, lse [B, nq, Hkv, G, bq])."""
     b, nq, _, hkv, g, d = q.shape
     (k_lo, k_hi), _ = _block_ranges(
@@ -142,7 +154,7 @@ def _forward(q, k, v, q_pos, k_pos, k_valid, scale, bq, bk):
 
         def body(j, carry):
             m, l_sum, acc = carry
-            z, mask = _scores(qi, k[:, j], qpos_i, k_pos[:, j], k_valid[:, j], scale)
+            z, mask = _scores(qi, k[:, j], qpos_i, k_pos[:, j], k_valid[:, j], q_lo[:, i], scale)
             m_new = jnp.maximum(m, jnp.max(z, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
             p = jnp.where(mask, jnp.exp(z - m_safe[..., None]), 0.0)
@@ -168,10 +180,10 @@ def _forward(q, k, v, q_pos, k_pos, k_valid, scale, bq, bk):
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1)
 
 
-def _backward(q, k, v, q_pos, k_pos, k_valid, out, lse, do, scale, bq, bk):
+def _backward(q, k, v, q_pos, k_pos, k_valid, q_lo, out, lse, do, scale, bq, bk):
     b, nq, _, hkv, g, d = q.shape
     nk = k.shape[1]
-    _, (q_lo, q_hi) = _block_ranges(
+    _, (first_q, last_q) = _block_ranges(
         q_pos.reshape(b, -1), k_pos.reshape(b, -1), k_valid.reshape(b, -1), bq, bk
     )
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)
@@ -184,7 +196,7 @@ def _backward(q, k, v, q_pos, k_pos, k_valid, out, lse, do, scale, bq, bk):
         def body(i, carry):
             dq, dk, dv = carry
             qi, doi = q[:, i], do[:, i]
-            z, mask = _scores(qi, kj, q_pos[:, i], k_pos[:, j], k_valid[:, j], scale)
+            z, mask = _scores(qi, kj, q_pos[:, i], k_pos[:, j], k_valid[:, j], q_lo[:, i], scale)
             p = jnp.where(mask, jnp.exp(z - lse_safe[:, i][..., None]), 0.0)
             dv = dv + jnp.einsum(
                 "bhgqk,bqhgd->bkhd", p.astype(do.dtype), doi, preferred_element_type=jnp.float32
@@ -200,7 +212,7 @@ def _backward(q, k, v, q_pos, k_pos, k_valid, out, lse, do, scale, bq, bk):
             return dq.at[:, i].add(dqi), dk, dv
 
         zeros = jnp.zeros((b, bk, hkv, d), jnp.float32)
-        dq, dk, dv = jax.lax.fori_loop(q_lo[j], q_hi[j], body, (dq, zeros, zeros))
+        dq, dk, dv = jax.lax.fori_loop(first_q[j], last_q[j], body, (dq, zeros, zeros))
         return dq, (dk, dv)
 
     dq0 = jnp.zeros(q.shape, jnp.float32)
@@ -208,42 +220,43 @@ def _backward(q, k, v, q_pos, k_pos, k_valid, out, lse, do, scale, bq, bk):
     return dq, jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1)
 
 
-def _to_blocks(q, k, v, q_pos, k_pos, k_valid, bq, bk):
+def _to_blocks(q, k, v, q_pos, k_pos, k_valid, q_lo, bq, bk):
     b, tq, hq, d = q.shape
     hkv = k.shape[2]
     q = _pad_to(q, bq, 1, 0).reshape(b, -1, bq, hkv, hq // hkv, d)
     q_pos = _pad_to(q_pos, bq, 1, -1).reshape(b, -1, bq)  # padded queries see nothing
+    q_lo = _pad_to(q_lo, bq, 1, 0).reshape(b, -1, bq)
     k = _pad_to(k, bk, 1, 0).reshape(b, -1, bk, hkv, d)
     v = _pad_to(v, bk, 1, 0).reshape(b, -1, bk, hkv, d)
     k_pos = _pad_to(k_pos, bk, 1, 0).reshape(b, -1, bk)
     k_valid = _pad_to(k_valid, bk, 1, False).reshape(b, -1, bk)
-    return q, k, v, q_pos, k_pos, k_valid
+    return q, k, v, q_pos, k_pos, k_valid, q_lo
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _chunked(q, k, v, q_pos, k_pos, k_valid, scale, bq, bk):
-    return _chunked_fwd(q, k, v, q_pos, k_pos, k_valid, scale, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _chunked(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk):
+    return _chunked_fwd(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk)[0]
 
 
-def _chunked_fwd(q, k, v, q_pos, k_pos, k_valid, scale, bq, bk):
+def _chunked_fwd(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk):
     b, tq, hq, d = q.shape
-    blocks = _to_blocks(q, k, v, q_pos, k_pos, k_valid, bq, bk)
+    blocks = _to_blocks(q, k, v, q_pos, k_pos, k_valid, q_lo, bq, bk)
     out, lse = _forward(*blocks, scale, bq, bk)
     result = out.reshape(b, -1, hq, d)[:, :tq].astype(q.dtype)
-    return result, (q, k, v, q_pos, k_pos, k_valid, result, lse)
+    return result, (q, k, v, q_pos, k_pos, k_valid, q_lo, result, lse)
 
 
 def _chunked_bwd(scale, bq, bk, residuals, g):
-    q, k, v, q_pos, k_pos, k_valid, out, lse = residuals
+    q, k, v, q_pos, k_pos, k_valid, q_lo, out, lse = residuals
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
-    blocks = _to_blocks(q, k, v, q_pos, k_pos, k_valid, bq, bk)
+    blocks = _to_blocks(q, k, v, q_pos, k_pos, k_valid, q_lo, bq, bk)
     do, out = (_pad_to(x, bq, 1, 0).reshape(b, -1, bq, hkv, hq // hkv, d) for x in (g, out))
     dq, dk, dv = _backward(*blocks, out, lse, do, scale, bq, bk)
     dq = dq.reshape(b, -1, hq, d)[:, :tq].astype(q.dtype)
     dk = dk.reshape(b, -1, hkv, d)[:, :tk].astype(k.dtype)
     dv = dv.reshape(b, -1, hkv, d)[:, :tk].astype(v.dtype)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -261,6 +274,7 @@ def attention(
     q_positions: jax.Array | None = None,
     k_positions: jax.Array | None = None,
     k_valid: jax.Array | None = None,
+    q_lower: jax.Array | None = None,
     *,
     scale: float | None = None,
     implementation: str | None = None,
@@ -272,7 +286,8 @@ def attention(
     Args:
       q: [B, Tq, Hq, D] queries; k, v: [B, Tk, Hkv, D] keys and values, Hq a multiple of Hkv.
       q_positions: int [B, Tq], k_positions: int [B, Tk] (default 0..T-1); k_valid: bool [B, Tk]
-        (default all). All three None means a full causal sequence (cuDNN applies).
+        (default all); q_lower: int [B, Tq], the first key position each query may see (default
+        none). All four None means a full causal sequence (cuDNN applies).
       scale: the score scale (default 1/sqrt(D)).
       implementation: one of :data:`IMPLEMENTATIONS`, or None (see the module docstring).
       block_q, block_k: the chunked kernel's block sizes.
@@ -282,6 +297,7 @@ def attention(
     """
     _check(q, k, v)
     full_causal = q_positions is None and k_positions is None and k_valid is None
+    full_causal = full_causal and q_lower is None
     if implementation is None:
         on_gpu = jax.default_backend() == "gpu"
         one_block = q.shape[1] <= block_q and k.shape[1] <= block_k
@@ -299,7 +315,7 @@ def attention(
             q, k, v, scale=scale, is_causal=True, implementation="cudnn"
         )
     if implementation == "reference":
-        return reference_attention(q, k, v, q_positions, k_positions, k_valid, scale=scale)
-    qp, kp, kv = _defaults(q, k, q_positions, k_positions, k_valid)
+        return reference_attention(q, k, v, q_positions, k_positions, k_valid, q_lower, scale=scale)
+    qp, kp, kv, lo = _defaults(q, k, q_positions, k_positions, k_valid, q_lower)
     bq, bk = _block(q.shape[1], block_q), _block(k.shape[1], block_k)
-    return _chunked(q, k, v, qp, kp, kv, scale, bq, bk)
+    return _chunked(q, k, v, qp, kp, kv, lo, scale, bq, bk)

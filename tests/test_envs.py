@@ -223,7 +223,7 @@ def _play(name, act, n, **options):
         ScriptedPolicy(codec, lambda i: act(batch_envs[i], i)),
         group_ids=list(range(n)),
         max_len=batch_envs[0].max_episode_tokens(codec),
-        max_new_tokens=batch_envs[0].turn_length,
+        max_new_tokens=batch_envs[0].turn_budget,
     )
     return out, batch_envs
 
@@ -366,3 +366,46 @@ def test_play_episode_plays_to_the_end_and_says_when_it_cannot():
         play_episode(envs.make("synthetic-nav", seed=3, max_turns=50), lambda e: "stay", limit=2)
     with pytest.raises(ValueError, match="turns: no turn"):
         play_episode(env, [])
+
+
+# -- the credit study's round-2 tasks: long turns in which several tokens decide ----------------
+
+CALL_ENVS = ("synthetic-calls", "synthetic-calls-varlen")
+
+
+@pytest.mark.parametrize("name", CALL_ENVS)
+def test_call_tasks_scripted_random_demonstrations_and_the_longest_episode(name):
+    out, batch_envs = _play(name, lambda env, i: env.optimal_turn(), 100)
+    assert all(ep["success"] for ep in out.episodes)  # the scripted policy always succeeds
+    rng = np.random.default_rng(0)
+    vocab = batch_envs[0].codec.vocabulary[1:]
+    out, _ = _play(name, lambda env, i: " ".join(rng.choice(vocab, size=env.turn_length)), 200)
+    assert np.mean([ep["success"] for ep in out.episodes]) < 0.02  # random: about never
+    # demonstrations with noise ε succeed (1 - ε)^calls of the time: a warm start's success
+    demo_rng = np.random.default_rng(1)
+    out, batch_envs = _play(name, lambda env, i: env.demo_turn(demo_rng, noise=0.3), 400)
+    rate = np.mean([ep["success"] for ep in out.episodes])
+    assert abs(rate - 0.7**4) < 0.06, rate
+    # the longest episode is exact: reached by turns of the most words
+    longest = batch_envs[0].max_episode_tokens()
+    out, _ = _play(name, lambda env, i: " ".join(["s0"] * env.turn_length), 4)
+    assert max(ep["tokens"] for ep in out.episodes) == longest
+    assert not any(ep["length_cut"] for ep in out.episodes)
+
+
+def test_a_call_is_read_anywhere_in_the_turn_and_graded():
+    env = envs.make("synthetic-calls", seed=2)
+    env.reset()
+    right = env.call_text(env.room).split()
+    turn = ["s1"] * 20 + right + ["call", "t0", "a0"] + ["s2"] * 6  # the first call counts
+    assert env.step(" ".join(turn)).info["action_quality"] == 1.0
+    assert env.step(" ".join(["s0"] * 32)).info["action_quality"] == -1.0  # no call
+    bad = ["call", "a1", "t1"] + right  # a malformed first call fails the turn
+    assert env.step(" ".join(bad + ["s0"] * 26)).info["action_quality"] == -1.0
+    obs, reward, terminated, _, info = env.step(" ".join(right + ["s0"] * 29))
+    assert terminated and reward == 0.0 and not info["success"]  # two of four were right
+    varlen = envs.make("synthetic-calls-varlen", seed=2)
+    varlen.reset()
+    call = varlen.call_text(varlen.room)
+    assert varlen.step(f"s0 <eot> {call}").info["action_quality"] == -1.0  # after the end
+    assert varlen.codec.stop_ids == varlen.codec.end_of_turn == (varlen.codec.index["<eot>"],)

@@ -169,6 +169,30 @@ def test_padding_and_positions():
     np.testing.assert_allclose(padded[:, 2:], plain, atol=1e-5)
 
 
+def test_packed_rows_equal_the_sequences_apart():
+    # Two sequences packed in one row (segment starts): each one's logits equal its own row's.
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "vocab_size": 50,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "rope_theta": 1e4,
+        }
+    )
+    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    a, b = [5, 6, 7], [9, 8, 7, 6]
+    packed = model.model(
+        jnp.asarray([a + b], jnp.int32), segment_starts=jnp.asarray([[0, 0, 0, 3, 3, 3, 3]])
+    )
+    np.testing.assert_allclose(packed[:, :3], model.model(jnp.asarray([a])), atol=1e-5)
+    np.testing.assert_allclose(packed[:, 3:], model.model(jnp.asarray([b])), atol=1e-5)
+
+
 def test_every_parameter_has_logical_axis_names():
     cfg = ModelConfig.from_hf(
         json.loads(

@@ -103,7 +103,12 @@ def test_passing_the_turn_structure_changes_no_number(jit, seed):
         fn = jax.jit(fn) if jit else fn
         plain = fn(r, v, m, tid)
         given = fn(r, v, m, tid, turns=turns)
-        np.testing.assert_array_equal(np.asarray(plain), np.asarray(given), err_msg=name)
+        if jit:
+            # Two different programs (one derives the structure, one is handed it): XLA may fuse
+            # and reassociate them differently, so equal to a few units in the last place.
+            np.testing.assert_array_max_ulp(np.asarray(plain), np.asarray(given), maxulp=4)
+        else:
+            np.testing.assert_array_equal(np.asarray(plain), np.asarray(given), err_msg=name)
     np.testing.assert_array_equal(
         A.turn_log_ratio(logp, 0.5 * logp, m, tid, reduce="mean"),
         A.turn_log_ratio(logp, 0.5 * logp, m, tid, reduce="mean", turns=turns),

@@ -362,6 +362,7 @@ def read_run_config(path: Path) -> dict[str, Any]:
     """A run's config.json as field values (the informational resolved algorithm dropped)."""
     values = json.loads(path.read_text())
     values.pop("algorithm", None)  # the resolved algorithm, written for reading
+    values.pop("sft", None)  # a train.sft run's own settings beside its model and environment
     return values
 
 

@@ -53,7 +53,11 @@ class MetricsLog:
         for key, value in metrics.items():
             if key != "step" and isinstance(value, int | float):
                 self.tb.add_scalar(key, value, step)
-        shown = {"success": f"{metrics['success_rate']:.2f}"}
+        shown = {}
+        if "success_rate" in metrics:
+            shown["success"] = f"{metrics['success_rate']:.2f}"
+        elif "loss" in metrics:
+            shown["loss"] = f"{metrics['loss']:.3f}"
         for key in sorted(metrics):
             if key.startswith("eval_") and key.endswith("_success_rate"):
                 shown[key[5:-13]] = f"{metrics[key]:.2f}"

@@ -509,19 +509,24 @@ class Qwen3Model(nnx.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg)
 
-    def __call__(self, input_ids, positions=None, attention_mask=None):
+    def __call__(self, input_ids, positions=None, attention_mask=None, segment_starts=None):
         """input_ids: int [B, T]; positions default to 0..T-1; attention_mask: bool [B, T] of
-        valid (non-padding) keys. Causal by position. Each layer is rematerialised as
-        ``cfg.remat`` says (:data:`REMAT_POLICIES`)."""
+        valid (non-padding) keys. Causal by position. ``segment_starts``: int [B, T], the column
+        where each token's own sequence starts, for several sequences packed in a row: a token
+        attends within its own sequence only, and positions (default) restart at each start.
+        Each layer is rematerialised as ``cfg.remat`` says (:data:`REMAT_POLICIES`)."""
         b, t = input_ids.shape
+        cols = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         causal = None  # a full causal sequence: the kernel may use cuDNN
-        if positions is not None or attention_mask is not None:
+        if segment_starts is not None:
+            causal = (cols, cols, attention_mask, segment_starts)
             if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+                positions = cols - segment_starts
+        elif positions is not None or attention_mask is not None:
+            if positions is None:
+                positions = cols
             causal = (positions, positions, attention_mask)
-        rope_positions = positions
-        if rope_positions is None:
-            rope_positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        rope_positions = cols if positions is None else positions
         x = constrain_rows(self.embed_tokens(input_ids))
         for stack in self.layers:
             x = stack(x, rope_positions, causal)
