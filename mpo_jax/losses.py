@@ -148,7 +148,10 @@ def policy_loss(
     Returns:
       (loss, metrics): metrics hold ``loss_sum``, ``loss_count``, ``clip_frac`` (tokens),
       ``turn_clip_frac`` (turns with a clipped token), ``dual_clip_frac``, ``approx_kl``
-      (k3 estimate of KL(old || new) from token ratios), ``ratio_mean`` and ``ratio_max``.
+      (k3 estimate of KL(old || new) from token ratios), ``ratio_mean`` and ``ratio_max``, and
+      how far each turn moved whatever the ratio level: ``turn_log_ratio_abs`` (mean over turns
+      of |Σ_t log r_t|), its max ``turn_log_ratio_abs_max``, and ``turn_mean_log_ratio_abs``
+      (mean over turns of |Σ_t log r_t| / turn length).
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(
@@ -203,6 +206,11 @@ def policy_loss(
     clipped_turns = turn_sum(is_clipped.astype(dtype), mask, turn_ids, turns=turns) > 0
     token_log_ratio = logp - old
     value_ratio = jax.lax.stop_gradient(ratio)
+    # How far the policy moved, per turn, whatever ratio the loss used: |Σ_t log r_t| (the
+    # product ratio's log) and |mean_t log r_t| (the length-normalised one), at turn ends.
+    turn_lr = turn_sum(jax.lax.stop_gradient(token_log_ratio), mask, turn_ids, turns=turns)
+    turn_len = jnp.maximum(turn_sum(mask.astype(dtype), mask, turn_ids, turns=turns), 1)
+    n_turns = jnp.maximum(jnp.sum(ends), 1)
     metrics = {
         "loss_sum": total,
         "loss_count": count,
@@ -214,6 +222,10 @@ def policy_loss(
         ),
         "ratio_mean": jnp.sum(jnp.where(mask, value_ratio, 0)) / n_tok,
         "ratio_max": jnp.max(jnp.where(mask, value_ratio, -jnp.inf), initial=0.0),
+        "turn_log_ratio_abs": jnp.sum(jnp.where(ends, jnp.abs(turn_lr), 0)) / n_turns,
+        "turn_log_ratio_abs_max": jnp.max(jnp.where(ends, jnp.abs(turn_lr), 0), initial=0.0),
+        "turn_mean_log_ratio_abs": jnp.sum(jnp.where(ends, jnp.abs(turn_lr) / turn_len, 0))
+        / n_turns,
     }
     return loss, metrics
 

@@ -57,10 +57,10 @@ def test_chunked_equals_the_reference_in_value_and_gradient(seed, tq, extra, hea
         return lambda q, k, v: jnp.sum(fn(q, k, v, *masks) * w)
 
     chunked = lambda *a: attention(*a, block_q=8, block_k=16)  # noqa: E731
-    np.testing.assert_allclose(chunked(q, k, v, *masks), reference_attention(q, k, v, *masks),
-                               atol=2e-5)  # fmt: skip
-    got = jax.grad(loss(chunked), (0, 1, 2))(q, k, v)
-    want = jax.grad(loss(reference_attention), (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(jax.jit(chunked)(q, k, v, *masks),
+                               reference_attention(q, k, v, *masks), atol=2e-5)  # fmt: skip
+    got = jax.jit(jax.grad(loss(chunked), (0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(loss(reference_attention), (0, 1, 2)))(q, k, v)
     for g, r in zip(got, want, strict=True):
         assert np.all(np.isfinite(g))
         np.testing.assert_allclose(g, r, atol=5e-5)
@@ -93,9 +93,9 @@ def test_packed_sequences_equal_the_same_sequences_apart(impl):
             at += n
         return total
 
-    np.testing.assert_allclose(packed(q, k, v), apart(q, k, v), rtol=1e-5)
-    for g, r in zip(jax.grad(packed, (0, 1, 2))(q, k, v), jax.grad(apart, (0, 1, 2))(q, k, v),
-                    strict=True):  # fmt: skip
+    np.testing.assert_allclose(jax.jit(packed)(q, k, v), apart(q, k, v), rtol=1e-5)
+    got = jax.jit(jax.grad(packed, (0, 1, 2)))(q, k, v)
+    for g, r in zip(got, jax.jit(jax.grad(apart, (0, 1, 2)))(q, k, v), strict=True):
         np.testing.assert_allclose(g, r, atol=5e-5)
 
 

@@ -175,6 +175,19 @@ def test_clip_fraction_metrics():
     np.testing.assert_allclose(m["ratio_max"], np.exp(0.5), rtol=1e-6)
 
 
+def test_turn_log_ratio_metrics_measure_each_turn_whatever_the_ratio_level():
+    # Turn 0: two tokens at +0.25 -> |sum| 0.5, |mean| 0.25; turn 1: three tokens, -0.3, 0, 0
+    # -> |sum| 0.3, |mean| 0.1. Padding (last column) counts for nothing.
+    mask = np.array([[1, 1, 1, 1, 1, 0]], bool)
+    tid = np.array([[0, 0, 1, 1, 1, 1]])
+    logp = np.array([[0.25, 0.25, -0.3, 0.0, 0.0, 9.0]])
+    for level in ("token", "turn", "sequence"):
+        _, m = L.policy_loss(logp, np.zeros((1, 6)), np.ones((1, 6)), mask, tid, ratio_level=level)
+        np.testing.assert_allclose(m["turn_log_ratio_abs"], (0.5 + 0.3) / 2, rtol=1e-6)
+        np.testing.assert_allclose(m["turn_log_ratio_abs_max"], 0.5, rtol=1e-6)
+        np.testing.assert_allclose(m["turn_mean_log_ratio_abs"], (0.25 + 0.1) / 2, rtol=1e-6)
+
+
 def test_value_loss_hand_computed():
     # V = 2, V_old = 1, G = 0: unclipped ½·4 = 2; clipped V' = 1.2 -> ½·1.44 = .72; max -> 2.
     # V = 0.5, V_old = 1, G = 1: unclipped ½·.25 = .125; clipped V' = .8 -> ½·.04 = .02 -> .125.

@@ -106,3 +106,61 @@ def test_the_study_runs_resumes_and_reports_at_tiny_size(tmp_path):
     assert record["skipped"] and marker.read_text() == before
     with pytest.raises(SystemExit, match="unknown"):
         study.main([*args, "--variants", "nope"])
+
+
+def test_round2_ablations_are_paired_by_seed_with_a_verdict(tmp_path):
+    from train import study_round2 as r2
+
+    def fake(variant, seed, final, extra=None):
+        cell = r2.Cell("synthetic-calls", "reuse", variant, seed)
+        _fake_run(tmp_path, cell, [(5, 0.1), (10, final)])
+        if extra:  # an update's movement figures on the last row
+            path = cell.run_dir(tmp_path) / "metrics.jsonl"
+            path.write_text(path.read_text() + json.dumps({"step": 11, **extra}) + "\n")
+
+    # MPO beats the token ratio on every seed by 0.2 (seed-to-seed spread is large, the
+    # difference is not); against beta 0 the differences straddle 0; one seed lacks its pair.
+    for seed, base in enumerate((0.2, 0.5, 0.8)):
+        fake("mpo", seed, base + 0.2, {"clip_frac": 0.1 * seed, "turn_log_ratio_abs_max": seed})
+        fake("mpo_token_ratio", seed, base)
+    for seed, final in enumerate((0.9, 0.2)):
+        fake("mpo_beta0", seed, final)
+    cells = r2.grid(["synthetic-calls"], ["reuse"], ["mpo", "mpo_token_ratio", "mpo_beta0"], 3)
+    results = r2.summarise(tmp_path, cells)
+    diffs = r2.ablations(results)["synthetic-calls/reuse"]
+    token = diffs["turn ratio -> token ratio"]
+    assert token["n"] == 3 and token["mean"] == pytest.approx(0.2)
+    assert token["low"] == pytest.approx(0.2) and token["verdict"] == "reproduced"
+    beta = diffs["beta -> 0"]
+    assert beta["n"] == 2 and beta["pairs"] == pytest.approx([0.4 - 0.9, 0.7 - 0.2])
+    assert beta["verdict"] == "within noise"
+    figures = results["synthetic-calls/reuse"]["mpo"]["figures"]
+    assert figures["clip_frac"]["mean"] == pytest.approx(0.1)
+    assert figures["turn_log_ratio_abs_max"]["mean"] == pytest.approx(1.0)
+    meta = {"command": "x", "rl_flags": [], "sft_flags": []}
+    text = r2.markdown(results, r2.ablations(results), meta)
+    assert "| turn ratio -> token ratio | 20 [20, 20] | 3 | reproduced |" in text
+
+
+def test_round2_warm_starts_runs_each_regime_and_reports_at_tiny_size(tmp_path):
+    from train import study_round2 as r2
+
+    args = ["--size", "tiny", "--envs", "synthetic-calls", "--variants", "mpo",
+            "--regimes", "reuse,stale2", "--seeds", "1", "--jobs", "2",
+            "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert r2.main(args) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(data["results"]) == {"synthetic-calls/reuse", "synthetic-calls/stale2"}
+    assert "held_out_loss" in data["meta"]["warm_starts"]["synthetic-calls"]
+    reuse = data["results"]["synthetic-calls/reuse"]["mpo"]["figures"]
+    assert {"heldout_final", "clip_frac", "turn_log_ratio_abs"} <= set(reuse)
+    stale = data["results"]["synthetic-calls/stale2"]["mpo"]["figures"]
+    assert "staleness_mean" in stale
+    # every RL run started from the warm start, with the study's own learning rate
+    run_dir = tmp_path / "runs" / "synthetic-calls" / "reuse" / "mpo" / "seed0"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["init_from"].endswith("warmstart") and config["lr"] == 1e-3
+    assert config["epochs"] == 4 and config["minibatches"] == 4
+    assert (tmp_path / "out" / "curves_synthetic-calls_reuse.png").exists()
+    with pytest.raises(SystemExit, match="unknown"):
+        r2.main([*args, "--regimes", "nope"])

@@ -421,7 +421,7 @@ class Trainer:
 
     def update(self, batch: TurnBatch, credit) -> dict[str, float]:
         """Epochs x minibatches of actor (and critic) updates; metrics weighted by tokens (turns
-        for the turn clip fraction), ``ratio_max`` the largest ratio of any update."""
+        for the turn clip fraction and turn log-ratios), ``*_max`` the largest of any update."""
         cfg = self.cfg
         returns = None if credit.returns is None else np.asarray(credit.returns)
         batch = batch.replace(advantages=np.asarray(credit.advantages), returns=returns)
@@ -434,7 +434,7 @@ class Trainer:
                 with self._on_mesh(), self.device:
                     out = self._minibatch(batch.take_rows(rows))
                 for k, v in out.items():
-                    merge = max if k == "ratio_max" else (lambda a, b: a + b)
+                    merge = max if k.endswith("_max") else (lambda a, b: a + b)
                     totals[k] = merge(totals[k], v) if k in totals else v
         return _summarise_updates(totals)
 
@@ -465,6 +465,8 @@ class Trainer:
                         "clip_tokens": float(m["clip_frac"]) * n_tok,
                         "clip_turns": float(m["turn_clip_frac"]) * n_turns,
                         "approx_kl_sum": float(m["approx_kl"]) * n_tok,
+                        "turn_lr_abs_sum": float(m["turn_log_ratio_abs"]) * n_turns,
+                        "turn_mean_lr_abs_sum": float(m["turn_mean_log_ratio_abs"]) * n_turns,
                         "entropy_sum": float(m["entropy_sum"]),
                         "kl_penalty_sum": float(m.get("kl_sum", 0.0)),
                         "tokens": n_tok,
@@ -472,7 +474,8 @@ class Trainer:
                     }
                     for k, v in sums.items():
                         out[k] = out.get(k, 0.0) + v
-                    out["ratio_max"] = max(out.get("ratio_max", 0.0), float(m["ratio_max"]))
+                    for k in ("ratio_max", "turn_log_ratio_abs_max"):
+                        out[k] = max(out.get(k, 0.0), float(m[k]))
             params, opt, ok, gnorm = self.fns.apply(
                 which, self.state[which], self.state[f"{which}_opt"], grads, loss
             )
@@ -507,7 +510,7 @@ class Trainer:
         )
         worker.publish(steps.start, self._published())
         worker.begin()
-        last, idle = time.perf_counter(), 0.0
+        idle = 0.0
         try:
             for step in steps:
                 t0 = time.perf_counter()
@@ -518,7 +521,6 @@ class Trainer:
                 rollouts.batch = rollouts.batch.replace(policy_version=versions)
                 metrics = self.step(step, rollouts=rollouts)
                 worker.publish(step + 1, self._published())
-                now = time.perf_counter()
                 lag = step - gather_array(np.array([version]))
                 metrics.update(
                     staleness_mean=float(lag.mean()),
@@ -528,10 +530,9 @@ class Trainer:
                     learner_wait_s=waited,
                     device_wait_learner_s=lock.waited.get("MainThread", 0.0),
                     device_wait_worker_s=lock.waited.get("rollout-worker", 0.0),
-                    steps_per_s=1.0 / max(now - last, 1e-9),
                 )
                 lock.waited.clear()
-                last, idle = now, worker.idle_s
+                idle = worker.idle_s
                 yield metrics
         finally:
             worker.stop()
@@ -585,6 +586,9 @@ def _summarise_updates(totals: dict[str, float]) -> dict[str, float]:
         "approx_kl": totals.pop("approx_kl_sum", 0.0) / tokens,
         "entropy": totals.pop("entropy_sum", 0.0) / tokens,
         "ratio_max": totals.pop("ratio_max", 0.0),
+        "turn_log_ratio_abs": totals.pop("turn_lr_abs_sum", 0.0) / turns,
+        "turn_mean_log_ratio_abs": totals.pop("turn_mean_lr_abs_sum", 0.0) / turns,
+        "turn_log_ratio_abs_max": totals.pop("turn_log_ratio_abs_max", 0.0),
     }
     kl_penalty = totals.pop("kl_penalty_sum", 0.0)
     if kl_penalty:
@@ -701,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
         results = trainer.run_async(steps)
     else:
         results = (trainer.step(step) for step in steps)
-    for step, metrics in zip(steps, results, strict=False):
+    for step, metrics in zip(steps, with_step_rate(results), strict=False):
         if log is not None:
             log.write(metrics)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
@@ -712,6 +716,16 @@ def main(argv: list[str] | None = None) -> int:
     if log is not None:
         log.close()
     return 0
+
+
+def with_step_rate(results):
+    """The steps' metrics with ``steps_per_s``: one over the wall time since the previous step
+    was handed over (logging and checkpoints of the previous step included)."""
+    last = time.perf_counter()
+    for metrics in results:
+        now = time.perf_counter()
+        yield {**metrics, "steps_per_s": 1.0 / max(now - last, 1e-9)}
+        last = now
 
 
 if __name__ == "__main__":

@@ -131,6 +131,11 @@ class Cell:
     def run_dir(self, root: Path) -> Path:
         return Path(root) / self.env / self.variant / f"seed{self.seed}"
 
+    @property
+    def group(self) -> str:
+        """The report's section the cell belongs to."""
+        return self.env
+
 
 def grid(envs, variants, seeds: int) -> list[Cell]:
     return [Cell(e, v, s) for e in envs for v in variants for s in range(seeds)]
@@ -151,20 +156,26 @@ def finished_record(run_dir: Path) -> dict | None:
 
 def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
     """Runs (or resumes, or skips) one cell through ``python -m train.run`` at ``size``."""
-    run_dir = cell.run_dir(root)
+    preset, overrides = VARIANTS[cell.variant]
+    sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    args = [
+        "--env", cell.env, "--preset", preset, "--seed", str(cell.seed),
+        *_flags(run_size(size, cell.env)), *(["--algo-set", *sets] if sets else []),
+    ]  # fmt: skip
+    return launch("train.run", args, cell.run_dir(root), dataclasses.asdict(cell), threads=threads)
+
+
+def launch(module: str, args: list[str], run_dir: Path, cell: dict, *, threads: int = 0) -> dict:
+    """Runs ``python -m <module> <args> --run-dir <run_dir>`` unless it finished (a
+    ``study.json`` beside it: skipped) or resumes it (``--resume``) if it was killed; writes
+    ``study.json`` (the cell and the wall time) when it ends. ``threads``: XLA CPU threads."""
     finished = finished_record(run_dir)
     if finished is not None:
         return {**finished, "skipped": True}
-    preset, overrides = VARIANTS[cell.variant]
     if (run_dir / "config.json").exists():  # killed earlier: continue it with its own config
         cmd = ["--resume", "--run-dir", str(run_dir)]
     else:
-        sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-        cmd = [
-            "--env", cell.env, "--preset", preset, "--seed", str(cell.seed),
-            "--run-dir", str(run_dir), *_flags(run_size(size, cell.env)),
-            *(["--algo-set", *sets] if sets else []),
-        ]  # fmt: skip
+        cmd = [*args, "--run-dir", str(run_dir)]
     env = dict(os.environ)
     if threads:  # one run per core: keep XLA's CPU thread pool to its share
         env["XLA_FLAGS"] = (
@@ -173,12 +184,12 @@ def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
         )
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "train.run", *cmd], env=env, capture_output=True, text=True
+        [sys.executable, "-m", module, *cmd], env=env, capture_output=True, text=True
     )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise RuntimeError(f"{cell}: train.run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    record = {"cell": dataclasses.asdict(cell), "wall_s": wall}
+        raise RuntimeError(f"{cell}: {module} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    record = {"cell": cell, "wall_s": wall}
     (run_dir / "study.json").write_text(json.dumps(record, indent=2) + "\n")
     return {**record, "skipped": False}
 
@@ -226,7 +237,7 @@ def summarise(root: Path, cells: list[Cell]) -> dict[str, Any]:
     for cell in cells:
         summary = run_summary(cell.run_dir(root))
         if summary is not None:
-            by_key.setdefault((cell.env, cell.variant), []).append(summary)
+            by_key.setdefault((cell.group, cell.variant), []).append(summary)
     out: dict[str, Any] = {}
     for (env, variant), runs in by_key.items():
         figures = {}
@@ -330,7 +341,11 @@ def markdown(results: dict[str, Any], size: str, variants) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
+ROUND1_PANELS = (("presets", PRESET_VARIANTS), ("MPO ablations", ABLATIONS))
+
+
+def plot(results: dict[str, Any], out_dir: Path, panels=ROUND1_PANELS) -> list[Path]:
+    """One figure per section: a column per panel (title, variants), held-out and fresh rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -338,10 +353,10 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
 
     paths = []
     for env, by_variant in results.items():
-        fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True, sharey=True, squeeze=False)
-        for col, (title, names) in enumerate(
-            (("presets", PRESET_VARIANTS), ("MPO ablations", ABLATIONS))
-        ):
+        fig, axes = plt.subplots(
+            2, len(panels), figsize=(6 * len(panels), 8), sharex=True, sharey=True, squeeze=False
+        )
+        for col, (title, names) in enumerate(panels):
             for row, curve in enumerate(("heldout", "fresh")):
                 ax = axes[row][col]
                 for variant in names:
@@ -360,7 +375,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
                 if ax.get_legend_handles_labels()[0]:
                     ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out_dir / f"curves_{env}.png"
+        path = out_dir / f"curves_{env.replace('/', '_')}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(path)
