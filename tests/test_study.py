@@ -139,7 +139,9 @@ def test_round2_ablations_are_paired_by_seed_with_a_verdict(tmp_path):
     assert figures["turn_log_ratio_abs_max"]["mean"] == pytest.approx(1.0)
     meta = {"command": "x", "rl_flags": [], "sft_flags": []}
     text = r2.markdown(results, r2.ablations(results), meta)
-    assert "| turn ratio -> token ratio | 20 [20, 20] | 3 | reproduced |" in text
+    assert (
+        "| turn ratio -> token ratio (final) | 20 [20, 20] | +20, +20, +20 | reproduced |" in text
+    )
 
 
 def test_round2_warm_starts_runs_each_regime_and_reports_at_tiny_size(tmp_path):

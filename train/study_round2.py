@@ -32,6 +32,7 @@ import argparse
 import concurrent.futures
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -276,7 +277,14 @@ def ablations(results: dict[str, Any], figure: str = "heldout_final") -> dict[st
     return out
 
 
-def markdown(results: dict[str, Any], diffs: dict[str, Any], meta: dict[str, Any]) -> str:
+def markdown(
+    results: dict[str, Any],
+    diffs: dict[str, Any],
+    meta: dict[str, Any],
+    auc_diffs: dict[str, Any] | None = None,
+) -> str:
+    """The report: warm starts, a table per task and regime, the ablations (held-out final
+    success, and AUC when ``auc_diffs`` is given)."""
     lines = [
         "# Credit-assignment study, round 2: results",
         "",
@@ -326,22 +334,30 @@ def markdown(results: dict[str, Any], diffs: dict[str, Any], meta: dict[str, Any
                 f"| {_ci(f.get('explained_variance'), False)} | {wall:.0f} "
                 f"| {by_variant[variant]['seeds']} |"
             )
-        group_diffs = diffs.get(group, {})
+        group_diffs = {
+            **{f"{k} (final)": v for k, v in diffs.get(group, {}).items()},
+            **{f"{k} (AUC)": v for k, v in (auc_diffs or {}).get(group, {}).items()},
+        }
         if group_diffs:
             lines += [
                 "",
-                "The paper's ablations (MPO minus the ablated variant, held-out final success, "
-                "percentage points, paired by seed; the paper: turn ratio -> token ratio −2.36, "
-                "β -> 0 −6.28 for the ablated model):",
+                "The paper's ablations (MPO minus the ablated variant, held-out success at the "
+                "end and its AUC, percentage points, paired by seed; the paper: turn ratio -> "
+                "token ratio −2.36, β -> 0 −6.28 for the ablated model):",
                 "",
-                "| ablation | MPO minus it | seeds | verdict |",
+                "| ablation | MPO minus it | per seed | verdict |",
                 "|---|---|---|---|",
             ]
             for name, d in group_diffs.items():
+                pairs = ", ".join(f"{100 * p:+.0f}" for p in d["pairs"]) or "–"
                 lines.append(
-                    f"| {name} | {_ci(d) if d.get('n') else '–'} | {d.get('n', 0)} "
-                    f"| {d['verdict']} |"
+                    f"| {name} | {_ci(d) if d.get('n') else '–'} | {pairs} | {d['verdict']} |"
                 )
+            lines += [
+                "",
+                "With fewer than 5 pairs the percentile bootstrap's interval is too narrow to "
+                "carry a conclusion on its own: read the per-seed differences beside it.",
+            ]
         lines.append("")
     return "\n".join(lines)
 
@@ -409,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
                 state = "skipped (done)" if rec["skipped"] else f"{rec['wall_s']:.0f} s"
                 print(f"[{n}/{len(cells)}] {futures[fut]}: {state}", flush=True)
     results = summarise(root, cells)
-    diffs = ablations(results)
-    command = "python -m train.study_round2" + (" " + " ".join(argv) if argv else "")
+    diffs, auc_diffs = ablations(results), ablations(results, "heldout_auc")
+    given = sys.argv[1:] if argv is None else argv
+    command = "python -m train.study_round2" + (" " + " ".join(given) if given else "")
     meta = {
         "command": command,
         "size": size,
@@ -425,9 +442,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(
-        json.dumps({"meta": meta, "results": results, "ablations": diffs}, indent=1) + "\n"
+        json.dumps(
+            {"meta": meta, "results": results, "ablations": diffs, "ablations_auc": auc_diffs},
+            indent=1,
+        )
+        + "\n"
     )
-    (out_dir / "results.md").write_text(markdown(results, diffs, meta))
+    (out_dir / "results.md").write_text(markdown(results, diffs, meta, auc_diffs))
     plot(results, out_dir, PANELS)
     print(f"wrote {out_dir}/results.md, results.json and curves_*.png "
           f"in {time.perf_counter() - started:.0f} s")  # fmt: skip
