@@ -144,8 +144,7 @@ def test_value_model_starts_from_the_policy(checkpoint):
     assert not np.allclose(critic.model.norm.weight[...], policy.model.norm.weight[...])
 
 
-def test_padding_and_positions():
-    # A left-padded row with shifted positions equals the unpadded row.
+def _two_layer_model():
     cfg = ModelConfig.from_hf(
         {
             "architectures": ["Qwen3ForCausalLM"],
@@ -159,7 +158,12 @@ def test_padding_and_positions():
             "rope_theta": 1e4,
         }
     )
-    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    return Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+
+
+def test_padding_and_positions():
+    # A left-padded row with shifted positions equals the unpadded row.
+    model = _two_layer_model()
     ids = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
     plain = model(ids)
     padded_ids = jnp.asarray([[0, 0, 5, 6, 7, 8]], jnp.int32)
@@ -171,20 +175,7 @@ def test_padding_and_positions():
 
 def test_packed_rows_equal_the_sequences_apart():
     # Two sequences packed in one row (segment starts): each one's logits equal its own row's.
-    cfg = ModelConfig.from_hf(
-        {
-            "architectures": ["Qwen3ForCausalLM"],
-            "vocab_size": 50,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 8,
-            "rope_theta": 1e4,
-        }
-    )
-    model = Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    model = _two_layer_model()
     a, b = [5, 6, 7], [9, 8, 7, 6]
     packed = model.model(
         jnp.asarray([a + b], jnp.int32), segment_starts=jnp.asarray([[0, 0, 0, 3, 3, 3, 3]])
