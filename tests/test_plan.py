@@ -93,6 +93,31 @@ def test_the_plan_cli_on_fake_devices_ends_with_its_verdict():
     assert lines[-1].startswith("peak per device: ") and lines[-1].endswith(" of 0.93 GiB: fits")
 
 
+def test_an_moe_plan_on_a_cpu_plans_its_experts_as_a_grouped_matmul_and_says_so(tmp_path):
+    # 30B-A3B's layout in miniature (untied, experts in every layer, real vocabulary): from
+    # config.json alone; the note names the assumption the figures rest on.
+    import json
+
+    config = json.loads(
+        (
+            Path(__file__).resolve().parents[1] / "benchmarks/configs/qwen3-30b-a3b/config.json"
+        ).read_text()
+    )
+    config.update(hidden_size=32, head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=2, num_experts=16, moe_intermediate_size=16)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    flags = TINY[TINY.index("--prompts-per-step") :]  # the batch flags; the model is the folder's
+    cfg = parse_args([*flags, "--model-path", str(tmp_path), "--max-len", "256",
+                      "--preset", "grpo", "--no-log-ref-kl", "--run-dir", os.devnull])  # fmt: skip
+    plan = make_plan(cfg)
+    assert (
+        plan.notes
+        and "grouped matmul under balanced routing (16 experts, 8 a token)" in (plan.notes[0])
+    )
+    assert plan.table().endswith(f"note: {plan.notes[0]}")
+    assert {p.name for p in plan.programs} >= {"sampler decode", "training micro-step (actor)"}
+
+
 def test_a_plan_that_does_not_fit_is_refused_at_start_naming_the_flags(tmp_path, capsys):
     run_dir = tmp_path / "run"
     code = run.main([*TINY, "--device-memory", "200000", "--run-dir", str(run_dir)])

@@ -298,6 +298,52 @@ def test_gradients_flow_through_dense_and_moe_blocks(checkpoint):
     assert len(touched) == len(flat), sorted(set(map(str, flat)) - set(map(str, touched)))[:3]
 
 
+def test_the_balanced_expert_matmul_equals_ragged_dot_when_experts_share_tokens_evenly():
+    # train.plan's stand-in for ragged_dot: exact (values and gradients) under balanced routing,
+    # wrong under skewed routing (it is a plan's shape, never a trainer's), unknown names refused.
+    from train.qwen3 import grouped_matmul
+
+    e, d, f = 8, 16, 12
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(e * 5, d)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(e, d, f)), jnp.float32)
+    even = jnp.full((e,), 5, jnp.int32)
+
+    def loss(x, w, sizes, how):
+        return jnp.sum(jnp.tanh(grouped_matmul(x, w, sizes, how)))
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=3)
+    (v_r, g_r), (v_b, g_b) = grad(x, w, even, "ragged"), grad(x, w, even, "balanced")
+    np.testing.assert_allclose(v_b, v_r, rtol=1e-5)
+    for a, b in zip(g_b, g_r, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    skewed = even.at[0].add(3).at[1].add(-3)
+    assert not np.allclose(
+        grouped_matmul(x, w, skewed, "balanced"), grouped_matmul(x, w, skewed, "ragged")
+    )
+    with pytest.raises(ValueError, match="moe_matmul must be one of"):
+        grouped_matmul(x, w, even, "dense")
+
+
+def test_the_cpu_compiler_expands_ragged_dot_through_every_expert():
+    # Why train.plan uses the stand-in on a CPU: XLA's CPU lowering of ragged_dot holds a
+    # temporary per expert, the grouped matmul does not. Fails (and the stand-in can go) the day
+    # the CPU compiler lowers ragged_dot as a grouped matmul.
+    from train.qwen3 import grouped_matmul
+
+    e, n, d, f = 64, 1024, 64, 64
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+    x, w = jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((e, d, f), jnp.float32)
+
+    def temp(how):
+        fn = jax.jit(lambda x, w, s: grouped_matmul(x, w, s, how))
+        return fn.lower(x, w, sizes).compile().memory_analysis().temp_size_in_bytes
+
+    output = n * f * 4
+    assert temp("balanced") <= 2 * output
+    assert temp("ragged") >= 8 * output, (temp("ragged"), output)
+
+
 # ------------------------------------------------------------------------------------------------
 # The file shapes of official releases
 # ------------------------------------------------------------------------------------------------

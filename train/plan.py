@@ -63,6 +63,7 @@ class Plan:
     state: dict[str, int]
     programs: list[Program]
     limit: int | None
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the plan assumed
 
     @property
     def peak(self) -> int:
@@ -88,6 +89,8 @@ class Plan:
             lines.append(
                 f"| {p.name} | {p.own / GIB:.3f} | {p.resident / GIB:.3f} | {p.peak / GIB:.3f} |"
             )
+        if self.notes:
+            lines += [""] + [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
     def refusal(self) -> str:
@@ -160,6 +163,16 @@ def make_plan(cfg, *, limit: int | None = None):
     except (ValueError, FileNotFoundError):  # a folder with config.json alone: the bundled one
         codec = run_codec(dataclasses.replace(cfg, model_path=None, init_from=None), probe)
     mc = model_config(cfg, codec)
+    notes = []
+    if mc.num_experts and jax.default_backend() == "cpu":
+        # XLA's CPU compiler expands ragged_dot into every token through every expert; TPU and
+        # cuDNN's grouped matmul do not: plan the experts as a grouped matmul (grouped_matmul).
+        mc = dataclasses.replace(mc, moe_matmul="balanced")
+        notes.append(
+            f"MoE experts planned as a grouped matmul under balanced routing ({mc.num_experts} "
+            f"experts, {mc.num_experts_per_tok} a token): the CPU compiler would expand "
+            "ragged_dot through every expert; skewed routing needs more"
+        )
     max_len = cfg.max_len or probe.max_episode_tokens(codec) or 8192
     max_new = cfg.max_new_tokens or probe.turn_budget or 256
     n = len(jax.devices())
@@ -291,7 +304,7 @@ def make_plan(cfg, *, limit: int | None = None):
         own = _own(update, _bytes_per_device(params) + _bytes_per_device(opts[which]))
         update_flags = "--mesh (fsdp), --param-dtype, --opt-dtype"
         programs.append(Program(f"optimizer update ({which})", own, resident, update_flags))
-    return Plan(n, state, programs, limit)
+    return Plan(n, state, programs, limit, notes)
 
 
 def _split_argv(argv):

@@ -35,6 +35,8 @@ __all__ = [
     "KVCache",
     "REMAT_POLICIES",
     "DecoderStack",
+    "MOE_MATMULS",
+    "grouped_matmul",
 ]
 
 # architecture name -> (model_type, qk_norm, qkv_bias)
@@ -81,6 +83,9 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     remat: str = "none"  # what each decoder layer keeps for the backward pass (REMAT_POLICIES)
     attention: str | None = None  # kernels.attention implementation (None: by platform)
+    # How MoE experts multiply their tokens (MOE_MATMULS): "ragged" always, except in train.plan
+    # on a CPU, which uses the "balanced" stand-in (see grouped_matmul).
+    moe_matmul: str = "ragged"
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -351,6 +356,32 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+MOE_MATMULS = ("ragged", "balanced")
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, sizes: jax.Array, how: str = "ragged") -> jax.Array:
+    """Expert-sorted tokens x [N, D] times their expert's weights w [E, D, F] -> [N, F].
+
+    ``"ragged"``: ``jax.lax.ragged_dot`` (rows ``sizes[0]`` first to expert 0, the next
+    ``sizes[1]`` to expert 1, ...): exact. ``"balanced"``: a memory-plan stand-in, never for
+    training. It assumes every expert receives N/E rows (padded to ceil(N/E)) and multiplies
+    [E, ceil(N/E), D] by [E, D, F] as one batched matmul: the FLOPs and bytes of a grouped matmul
+    under balanced routing, right only when ``sizes`` are all equal. It exists because XLA's CPU
+    compiler lowers ``ragged_dot`` densely (every token through every expert: E times the
+    temporaries), which TPU compilers and cuDNN's grouped matmul on NVIDIA GPUs do not, so a plan
+    compiled on the CPU would size a 128-expert model as if it ran all 128 experts.
+    """
+    if how == "ragged":
+        return jax.lax.ragged_dot(x, w, sizes)
+    if how != "balanced":
+        raise ValueError(f"moe_matmul must be one of {MOE_MATMULS}, got {how!r}")
+    n, e = x.shape[0], w.shape[0]
+    per_expert = -(-n // e)
+    xg = jnp.pad(x, ((0, e * per_expert - n), (0, 0))).reshape(e, per_expert, x.shape[1])
+    out = jnp.einsum("ecd,edf->ecf", xg, w)
+    return out.reshape(e * per_expert, w.shape[2])[:n]
+
+
 class MoE(nnx.Module):
     """Qwen3-MoE sparse block: softmax router (float32), top-k experts, SwiGLU experts.
 
@@ -393,10 +424,10 @@ class MoE(nnx.Module):
         token = order // k
         xs = x[token]
         sizes = jnp.bincount(flat_experts, length=cfg.num_experts).astype(jnp.int32)
-        dt = cfg.dtype
-        gate = jax.lax.ragged_dot(xs.astype(dt), self.gate_proj[...].astype(dt), sizes)
-        up = jax.lax.ragged_dot(xs.astype(dt), self.up_proj[...].astype(dt), sizes)
-        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.down_proj[...].astype(dt), sizes)
+        dt, how = cfg.dtype, cfg.moe_matmul
+        gate = grouped_matmul(xs.astype(dt), self.gate_proj[...].astype(dt), sizes, how)
+        up = grouped_matmul(xs.astype(dt), self.up_proj[...].astype(dt), sizes, how)
+        out = grouped_matmul(jax.nn.silu(gate) * up, self.down_proj[...].astype(dt), sizes, how)
         out = out * weights.reshape(-1)[order][:, None].astype(out.dtype)
         combined = jax.ops.segment_sum(out, token, num_segments=n)
         return combined.reshape(shape).astype(dt)
