@@ -59,10 +59,15 @@ def _forward_chunks(h, w, y, vocab_axis, scale):
     def body(_, xs):
         hc, yc = xs
         z = _chunk_logits(hc, w, vocab_axis, scale)  # [B, chunk, V]
-        lse = jax.nn.logsumexp(z, axis=-1)
-        p = jnp.exp(z - lse[..., None])
+        # One exponential per logit for both: with m = max z, e = exp(z - m), s = Σ e,
+        # lse = m + log s and H = lse - Σ p z = log s - Σ e (z - m) / s.
+        m = jnp.max(z, axis=-1, keepdims=True)
+        shifted = z - m
+        e = jnp.exp(shifted)
+        s = jnp.sum(e, axis=-1)
+        lse = m[..., 0] + jnp.log(s)
         logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - lse
-        entropy = lse - jnp.sum(p * z, axis=-1)
+        entropy = jnp.log(s) - jnp.sum(e * shifted, axis=-1) / s
         return None, (logp, entropy, lse)
 
     _, out = jax.lax.scan(body, None, (h, y))

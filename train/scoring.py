@@ -25,6 +25,12 @@ from train.learner import ActionRows, answer_logprobs, token_logprobs, values_an
 __all__ = ["Scorer"]
 
 
+def _logprobs_only(graphdef, params, tokens, positions, *, temperature: float):
+    """:func:`train.learner.token_logprobs` without the entropy, which scoring does not read
+    (returned, it would be computed: a second pass over every [token, vocabulary] logit)."""
+    return token_logprobs(graphdef, params, tokens, positions, temperature=temperature)[0]
+
+
 class Scorer:
     """Args: rows (a group's rows: the micro-batch), temperature (of the sampler), put (a host
     array -> a jit input, sharded where a mesh is set), to_host (a device array -> NumPy)."""
@@ -42,7 +48,7 @@ class Scorer:
         self.put, self.to_host = put, to_host
         # held around each group's program (a lock shared with a rollout worker, if any)
         self.device = device if device is not None else contextlib.nullcontext()
-        self._logp = jax.jit(token_logprobs, static_argnums=0, static_argnames="temperature")
+        self._logp = jax.jit(_logprobs_only, static_argnums=0, static_argnames="temperature")
         self._values = jax.jit(values_and_bootstrap, static_argnums=0)
         self._answers = jax.jit(answer_logprobs, static_argnums=0)
 
@@ -61,7 +67,7 @@ class Scorer:
         out = np.zeros(shape, np.float32)
         for rows, act in groups:
             with self.device:
-                logp, _ = self._logp(
+                logp = self._logp(
                     graphdef,
                     params,
                     self.put(act.tokens),
