@@ -59,6 +59,33 @@ def test_matches_log_softmax_of_logits_directly():
     np.testing.assert_allclose(ent, -(p * logp_all).sum(-1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("scale", [0.0, 1e-3, 60.0], ids=["uniform", "flat", "peaked"])
+def test_entropy_at_the_extremes_of_the_softmax(scale):
+    # One exponential per logit serves log-prob and entropy: exact from a uniform distribution
+    # (H = log V) to a nearly one-hot one (logits hundreds apart, H -> 0); float64 inputs are
+    # computed in float32 like the rest (the kernel's accumulation dtype).
+    with jax.enable_x64():
+        for dtype in (jnp.float32, jnp.float64):
+            h, w, y, _ = setup(-1, seed=4)
+            h = (h * scale).astype(dtype)
+            w = w.astype(dtype)
+            logits = np.asarray(h, np.float64) @ np.asarray(w, np.float64)
+            logits -= logits.max(-1, keepdims=True)
+            logp_all = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+            logp, ent = jax.jit(logprobs_and_entropy)(h, w, y)
+            tol = 1e-5
+            want = -(np.exp(logp_all) * logp_all).sum(-1)
+            np.testing.assert_allclose(ent, want, rtol=tol * (1 + scale), atol=tol * (1 + scale))
+            np.testing.assert_allclose(
+                logp,
+                np.take_along_axis(logp_all, np.asarray(y)[..., None], -1)[..., 0],
+                rtol=tol * (1 + scale),
+                atol=tol * (1 + scale),
+            )
+            if scale == 0.0:
+                np.testing.assert_allclose(ent, np.log(w.shape[1]), rtol=tol)
+
+
 def test_bfloat16_inputs_compute_in_float32():
     h, w, y, _ = setup(0, seed=1)
     logp, _ = logprobs_and_entropy(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16), y, vocab_axis=0)
