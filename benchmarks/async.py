@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
+sys.path.insert(0, str(ROOT))
 
 CHAT_ENVS = ("search", "bfcl", "tau2-retail", "tau2-airline")
 
@@ -47,6 +46,8 @@ def run(
 ) -> tuple[list[dict], float]:
     """(metrics rows, wall seconds) of one run; ``steps`` None: the run's default size and
     evaluations; ``threads``: XLA CPU threads (0: XLA's default)."""
+    from train.study import thread_limited_env
+
     with tempfile.TemporaryDirectory() as tmp:
         if env in CHAT_ENVS:  # the newcomer's random Qwen3-shaped checkpoint (benchmarks/step.py)
             sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -62,13 +63,8 @@ def run(
             sys.executable, "-m", "train.run", "--env", env, "--max-staleness", str(k),
             "--seed", str(seed), "--no-progress", "--run-dir", f"{tmp}/run", *extra,
         ]  # fmt: skip
-        env_vars = dict(os.environ)
-        if threads:  # runs side by side: each keeps XLA's CPU thread pool to its share
-            env_vars["XLA_FLAGS"] = (
-                env_vars.get("XLA_FLAGS", "")
-                + f" --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}"
-            )
         start = time.perf_counter()
+        env_vars = thread_limited_env(threads)
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env=env_vars)
         wall = time.perf_counter() - start
         rows = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").open()]
@@ -137,7 +133,6 @@ def success_table(
     """Final held-out success per (environment, K) over seeds, and its difference from K = 0
     paired by seed (mean and bootstrap interval); ``jobs`` runs side by side, one XLA thread
     each."""
-    sys.path.insert(0, str(ROOT))
     from train.study_stats import bootstrap_ci
 
     print(f"train.run at its default size per K, seeds {seeds}: final held-out success")

@@ -39,6 +39,7 @@ __all__ = [
     "grid",
     "run_size",
     "run_cell",
+    "thread_limited_env",
     "summarise",
     "markdown",
     "main",
@@ -165,6 +166,18 @@ def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
     return launch("train.run", args, cell.run_dir(root), dataclasses.asdict(cell), threads=threads)
 
 
+def thread_limited_env(threads: int) -> dict[str, str]:
+    """This process's environment for a child run; with ``threads`` > 0, XLA's CPU thread pool
+    kept to that many threads (runs side by side, one per core)."""
+    env = dict(os.environ)
+    if threads:
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "")
+            + f" --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}"
+        )
+    return env
+
+
 def launch(module: str, args: list[str], run_dir: Path, cell: dict, *, threads: int = 0) -> dict:
     """Runs ``python -m <module> <args> --run-dir <run_dir>`` unless it finished (a
     ``study.json`` beside it: skipped) or resumes it (``--resume``) if it was killed; writes
@@ -176,12 +189,7 @@ def launch(module: str, args: list[str], run_dir: Path, cell: dict, *, threads: 
         cmd = ["--resume", "--run-dir", str(run_dir)]
     else:
         cmd = [*args, "--run-dir", str(run_dir)]
-    env = dict(os.environ)
-    if threads:  # one run per core: keep XLA's CPU thread pool to its share
-        env["XLA_FLAGS"] = (
-            env.get("XLA_FLAGS", "")
-            + f" --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads={threads}"
-        )
+    env = thread_limited_env(threads)
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", module, *cmd], env=env, capture_output=True, text=True
