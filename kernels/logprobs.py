@@ -68,9 +68,10 @@ def _forward_chunks(h, w, y, vocab_axis, scale):
         shifted = z - m
         e = jnp.exp(shifted)
         s = jnp.sum(e, axis=-1)
-        lse = m[..., 0] + jnp.log(s)
+        log_s = jnp.log(s)
+        lse = m[..., 0] + log_s
         logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - lse
-        entropy = jnp.log(s) - jnp.sum(e * shifted, axis=-1) / s
+        entropy = log_s - jnp.sum(e * shifted, axis=-1) / s
         return None, (logp, entropy, lse)
 
     _, out = jax.lax.scan(body, None, (h, y))
