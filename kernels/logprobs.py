@@ -104,16 +104,17 @@ def _chunked_bwd(vocab_axis, scale, residuals, grads):
         dz = (dz + jnp.where(hit, gl[..., None], 0.0)) * scale
         wf = w.astype(jnp.float32)
         hf = hc.astype(jnp.float32)
-        if vocab_axis == -1:
-            dh = jnp.einsum("bcv,dv->bcd", dz, wf)
-            dw = dw + jnp.einsum("bcd,bcv->dv", hf, dz)
-        else:
-            dh = jnp.einsum("bcv,vd->bcd", dz, wf)
-            dw = dw + jnp.einsum("bcv,bcd->vd", dz, hf)
+        dh = jnp.einsum("bcv,dv->bcd" if vocab_axis == -1 else "bcv,vd->bcd", dz, wf)
+        # ∂W accumulates as [D, V] whatever W's layout: the chunk's [B, C, V] gradient is then
+        # read in the layout it was written in (a [V, D] accumulator made XLA write it a second
+        # time, transposed, recomputing its exponentials); one [D, V] transpose at the end.
+        dw = dw + jnp.einsum("bcd,bcv->dv", hf, dz)
         return dw, dh.astype(hc.dtype)
 
-    dw0 = jnp.zeros(w.shape, jnp.float32)
+    d, v = (w.shape[0], w.shape[1]) if vocab_axis == -1 else (w.shape[1], w.shape[0])
+    dw0 = jnp.zeros((d, v), jnp.float32)
     dw, dh = jax.lax.scan(body, dw0, (h, y, lse, entropy, g_logp, g_ent))
+    dw = dw if vocab_axis == -1 else dw.T
     return dh, dw.astype(w.dtype), None
 
 

@@ -99,6 +99,7 @@ def test_the_study_runs_resumes_and_reports_at_tiny_size(tmp_path):
     assert "heldout_final" in cells["mpo"]["figures"]
     assert (tmp_path / "out" / "curves_synthetic-keydoor.png").read_bytes()[:4] == b"\x89PNG"
     assert "## synthetic-keydoor" in (tmp_path / "out" / "results.md").read_text()
+    assert any((tmp_path / "runs" / "xla-cache").iterdir()), "runs share a compilation cache"
     # a second call skips the finished runs (their markers stay as they were)
     marker = tmp_path / "runs" / "synthetic-keydoor" / "mpo" / "seed0" / "study.json"
     before = marker.read_text()
@@ -161,8 +162,10 @@ def test_round2_warm_starts_runs_each_regime_and_reports_at_tiny_size(tmp_path):
     # every RL run started from the warm start, with the study's own learning rate
     run_dir = tmp_path / "runs" / "synthetic-calls" / "reuse" / "mpo" / "seed0"
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["init_from"].endswith("warmstart") and config["lr"] == 1e-3
+    assert config["init_from"].endswith("warmstart") and config["lr"] == r2._RL["--lr"]
     assert config["epochs"] == 4 and config["minibatches"] == 4
+    # the runs shared one persistent compilation cache (the reuse and stale runs' programs)
+    assert len(list((tmp_path / "runs" / "xla-cache").iterdir())) > 10
     assert (tmp_path / "out" / "curves_synthetic-calls_reuse.png").exists()
     with pytest.raises(SystemExit, match="unknown"):
         r2.main([*args, "--regimes", "nope"])

@@ -163,7 +163,10 @@ def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
         "--env", cell.env, "--preset", preset, "--seed", str(cell.seed),
         *_flags(run_size(size, cell.env)), *(["--algo-set", *sets] if sets else []),
     ]  # fmt: skip
-    return launch("train.run", args, cell.run_dir(root), dataclasses.asdict(cell), threads=threads)
+    return launch(
+        "train.run", args, cell.run_dir(root), dataclasses.asdict(cell), threads=threads,
+        cache=Path(root) / "xla-cache",
+    )  # fmt: skip
 
 
 def thread_limited_env(threads: int) -> dict[str, str]:
@@ -178,10 +181,21 @@ def thread_limited_env(threads: int) -> dict[str, str]:
     return env
 
 
-def launch(module: str, args: list[str], run_dir: Path, cell: dict, *, threads: int = 0) -> dict:
+def launch(
+    module: str,
+    args: list[str],
+    run_dir: Path,
+    cell: dict,
+    *,
+    threads: int = 0,
+    cache: Path | None = None,
+) -> dict:
     """Runs ``python -m <module> <args> --run-dir <run_dir>`` unless it finished (a
     ``study.json`` beside it: skipped) or resumes it (``--resume``) if it was killed; writes
-    ``study.json`` (the cell and the wall time) when it ends. ``threads``: XLA CPU threads."""
+    ``study.json`` (the cell and the wall time) when it ends. ``threads``: XLA CPU threads.
+    ``cache``: JAX's persistent compilation cache, shared by the study's runs (runs that differ
+    only in seed compile the same programs: the second one reads them instead of compiling; a
+    ``JAX_COMPILATION_CACHE_DIR`` already set wins)."""
     finished = finished_record(run_dir)
     if finished is not None:
         return {**finished, "skipped": True}
@@ -190,6 +204,9 @@ def launch(module: str, args: list[str], run_dir: Path, cell: dict, *, threads: 
     else:
         cmd = [*args, "--run-dir", str(run_dir)]
     env = thread_limited_env(threads)
+    if cache is not None and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", module, *cmd], env=env, capture_output=True, text=True
