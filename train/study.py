@@ -40,6 +40,7 @@ __all__ = [
     "run_size",
     "run_cell",
     "thread_limited_env",
+    "child_env",
     "summarise",
     "markdown",
     "main",
@@ -181,6 +182,16 @@ def thread_limited_env(threads: int) -> dict[str, str]:
     return env
 
 
+def child_env(threads: int = 0, cache: Path | None = None) -> dict[str, str]:
+    """A child run's environment: :func:`thread_limited_env`, and JAX's persistent compilation
+    cache in ``cache`` unless this process already names one (its own wins)."""
+    env = thread_limited_env(threads)
+    if cache is not None and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    return env
+
+
 def launch(
     module: str,
     args: list[str],
@@ -203,10 +214,7 @@ def launch(
         cmd = ["--resume", "--run-dir", str(run_dir)]
     else:
         cmd = [*args, "--run-dir", str(run_dir)]
-    env = thread_limited_env(threads)
-    if cache is not None and "JAX_COMPILATION_CACHE_DIR" not in env:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env = child_env(threads, cache)
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-m", module, *cmd], env=env, capture_output=True, text=True
