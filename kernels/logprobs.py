@@ -111,8 +111,7 @@ def _chunked_bwd(vocab_axis, scale, residuals, grads):
         dw = dw + jnp.einsum("bcd,bcv->dv", hf, dz)
         return dw, dh.astype(hc.dtype)
 
-    d, v = (w.shape[0], w.shape[1]) if vocab_axis == -1 else (w.shape[1], w.shape[0])
-    dw0 = jnp.zeros((d, v), jnp.float32)
+    dw0 = jnp.zeros(w.shape if vocab_axis == -1 else w.shape[::-1], jnp.float32)  # [D, V]
     dw, dh = jax.lax.scan(body, dw0, (h, y, lse, entropy, g_logp, g_ent))
     dw = dw if vocab_axis == -1 else dw.T
     return dh, dw.astype(w.dtype), None

@@ -41,6 +41,7 @@ __all__ = [
     "run_cell",
     "thread_limited_env",
     "child_env",
+    "compile_cache",
     "summarise",
     "markdown",
     "main",
@@ -166,8 +167,13 @@ def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
     ]  # fmt: skip
     return launch(
         "train.run", args, cell.run_dir(root), dataclasses.asdict(cell), threads=threads,
-        cache=Path(root) / "xla-cache",
+        cache=compile_cache(root),
     )  # fmt: skip
+
+
+def compile_cache(root: Path) -> Path:
+    """The persistent compilation cache a study's runs under ``root`` share."""
+    return Path(root) / "xla-cache"
 
 
 def thread_limited_env(threads: int) -> dict[str, str]:

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from train.metrics import read_metrics
-from train.study import _ci, _flags, finished_record, launch, plot, run_summary
+from train.study import _ci, _flags, compile_cache, finished_record, launch, plot, run_summary
 from train.study_stats import bootstrap_ci
 
 __all__ = ["VARIANTS", "REGIMES", "ENVS", "SIZES", "Cell", "ablations", "main"]
@@ -172,7 +172,7 @@ def warm_start(env: str, root: Path, size: str, *, threads: int = 0) -> dict:
     args = ["--env", env, *_flags(table["sft"]), *_flags(table.get("model", {})), *_env_flags(size)]
     args += ["--no-progress"]
     return launch("train.sft", args, Path(root) / env / "warmstart", {"env": env, "sft": True},
-                  threads=threads, cache=Path(root) / "xla-cache")  # fmt: skip
+                  threads=threads, cache=compile_cache(root))  # fmt: skip
 
 
 def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
@@ -187,7 +187,7 @@ def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
     ]  # fmt: skip
     return launch(
         "train.run", args, cell.run_dir(root), dataclasses.asdict(cell), threads=threads,
-        cache=Path(root) / "xla-cache",
+        cache=compile_cache(root),
     )  # fmt: skip
 
 
