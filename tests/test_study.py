@@ -135,7 +135,10 @@ def test_round2_ablations_are_paired_by_seed_with_a_verdict(tmp_path):
         fake("mpo_token_ratio", seed, base)
     for seed, final in enumerate((0.9, 0.2)):
         fake("mpo_beta0", seed, final)
-    cells = r2.grid(["synthetic-calls"], ["reuse"], ["mpo", "mpo_token_ratio", "mpo_beta0"], 3)
+    for seed, base in enumerate((0.2, 0.5, 0.8)):  # the mean turn ratio beats MPO by 0.1
+        fake("mpo_turn_mean", seed, base + 0.3)
+    variants = ["mpo", "mpo_token_ratio", "mpo_beta0", "mpo_turn_mean"]
+    cells = r2.grid(["synthetic-calls"], ["reuse"], variants, 3)
     results = r2.summarise(tmp_path, cells)
     diffs = r2.ablations(results)["synthetic-calls/reuse"]
     token = diffs["turn ratio -> token ratio"]
@@ -144,6 +147,9 @@ def test_round2_ablations_are_paired_by_seed_with_a_verdict(tmp_path):
     beta = diffs["beta -> 0"]
     assert beta["n"] == 2 and beta["pairs"] == pytest.approx([0.4 - 0.9, 0.7 - 0.2])
     assert beta["verdict"] == "within noise"
+    # no claim of the paper's on the mean ratio: MPO ahead or behind, never "reversed"
+    mean = diffs["turn ratio sum -> mean"]
+    assert mean["mean"] == pytest.approx(-0.1) and mean["verdict"] == "MPO behind"
     figures = results["synthetic-calls/reuse"]["mpo"]["figures"]
     assert figures["clip_frac"]["mean"] == pytest.approx(0.1)
     assert figures["turn_log_ratio_abs_max"]["mean"] == pytest.approx(1.0)
@@ -152,6 +158,9 @@ def test_round2_ablations_are_paired_by_seed_with_a_verdict(tmp_path):
     assert (
         "| turn ratio -> token ratio (final) | 20 [20, 20] | +20, +20, +20 | reproduced |" in text
     )
+    # the overview: final / AUC and seeds per variant; beta 0 ran two seeds
+    assert "| variant | synthetic-calls, reuse |" in text
+    assert "| mpo_beta0 | 55/" in text and "(2) |" in text
 
 
 def test_round2_warm_starts_runs_each_regime_and_reports_at_tiny_size(tmp_path):
