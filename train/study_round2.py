@@ -56,6 +56,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mpo_beta0": ("mpo", {"beta": 0.0}),
     "mpo_beta0.25": ("mpo", {"beta": 0.25}),
     "mpo_beta1": ("mpo", {"beta": 1.0}),
+    # Not the paper's: MPO with the dual clip (Ye et al. 2020), which bounds a negative-advantage
+    # token's loss at 3|Â|, however far its turn's ratio has grown (reuse collapses, round 2).
+    "mpo_dual_clip": ("mpo", {"dual_clip": 3.0}),
     "turn_ppo": ("turn_ppo", {}),
     "ppo": ("ppo", {}),
     "grpo": ("grpo", {}),
@@ -70,12 +73,23 @@ QUICK_REGIMES = ("reuse", "stale2")
 ABLATION_PAIRS = (("turn ratio -> token ratio", "mpo_token_ratio"), ("beta -> 0", "mpo_beta0"))
 # Paired like the ablations, but no claim of the paper's to reproduce: the first probe
 # (the mean turn ratio held up under reuse where the paper's sum clipped 42-44% of tokens).
-COMPARISON_PAIRS = (("turn ratio sum -> mean", "mpo_turn_mean"),)
+COMPARISON_PAIRS = (
+    ("turn ratio sum -> mean", "mpo_turn_mean"),
+    ("no dual clip -> dual clip 3", "mpo_dual_clip"),
+)
 PANELS = (
     ("presets", ("mpo", "turn_ppo", "ppo", "grpo", "gspo", "gigpo", "trace", "mpo_trace")),
     (
         "MPO ablations",
-        ("mpo", "mpo_turn_mean", "mpo_token_ratio", "mpo_beta0", "mpo_beta0.25", "mpo_beta1"),
+        (
+            "mpo",
+            "mpo_turn_mean",
+            "mpo_token_ratio",
+            "mpo_beta0",
+            "mpo_beta0.25",
+            "mpo_beta1",
+            "mpo_dual_clip",
+        ),
     ),
 )
 
