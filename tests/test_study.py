@@ -187,3 +187,16 @@ def test_round2_warm_starts_runs_each_regime_and_reports_at_tiny_size(tmp_path):
     assert (tmp_path / "out" / "curves_synthetic-calls_reuse.png").exists()
     with pytest.raises(SystemExit, match="unknown"):
         r2.main([*args, "--regimes", "nope"])
+
+
+def test_round2_variants_name_presets_and_fields_that_exist():
+    from mpo_jax import algorithms
+    from train import study_round2 as r2
+
+    for variant, (preset, overrides) in r2.VARIANTS.items():
+        # get() refuses a setting no family has; an override must change the preset
+        algo = algorithms.get(preset, **overrides)
+        assert (algo != algorithms.get(preset)) == bool(overrides), variant
+    paired = [v for _, v in r2.ABLATION_PAIRS + r2.COMPARISON_PAIRS]
+    assert set(paired) <= set(r2.VARIANTS)
+    assert {v for _, panel in r2.PANELS for v in panel} == set(r2.VARIANTS)
