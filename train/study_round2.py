@@ -402,17 +402,21 @@ def markdown(
                 f"| {_ci(f.get('explained_variance'), False)} | {wall:.0f} "
                 f"| {by_variant[variant]['seeds']} |"
             )
-        group_diffs = {
-            **{f"{k} (final)": v for k, v in diffs.get(group, {}).items()},
-            **{f"{k} (AUC)": v for k, v in (auc_diffs or {}).get(group, {}).items()},
+        paper = {name for name, _ in ABLATION_PAIRS}
+        group_diffs = {  # the paper's ablations always; the other comparisons where both ran
+            f"{k} ({label})": v
+            for label, by_group in (("final", diffs), ("AUC", auc_diffs or {}))
+            for k, v in by_group.get(group, {}).items()
+            if k in paper or v["verdict"] != "no pairs"
         }
         if group_diffs:
             lines += [
                 "",
                 "The paper's ablations (MPO minus the ablated variant, held-out success at the "
                 "end and its AUC, percentage points, paired by seed; the paper: turn ratio -> "
-                "token ratio −2.36, β -> 0 −6.28 for the ablated model), and MPO's turn ratio "
-                "against its mean (length-normalised) form, on which the paper makes no claim:",
+                "token ratio −2.36, β -> 0 −6.28 for the ablated model); and, where both ran, "
+                "comparisons the paper makes no claim on (MPO's turn ratio against its mean, "
+                "length-normalised, form; MPO without and with the dual clip):",
                 "",
                 "| ablation | MPO minus it | per seed | verdict |",
                 "|---|---|---|---|",
