@@ -159,7 +159,7 @@ def test_round2_ablations_are_paired_by_seed_with_a_verdict(tmp_path):
         "| turn ratio -> token ratio (final) | 20 [20, 20] | +20, +20, +20 | reproduced |" in text
     )
     # a comparison the paper makes no claim on is shown only where both variants ran
-    assert "turn ratio sum -> mean (final)" in text and "dual clip" not in text
+    assert "turn ratio sum -> mean (final)" in text and "-> dual clip 3" not in text
     # the overview: final / AUC and seeds per variant; beta 0 ran two seeds
     assert "| variant | synthetic-calls, reuse |" in text
     assert "| mpo_beta0 | 55/" in text and "(2) |" in text
