@@ -429,6 +429,7 @@ def test_update_metrics_are_token_weighted_and_ratio_max_is_the_maximum():
         "turns": 4.0,
         "clip_tokens": 10.0,
         "clip_turns": 1.0,
+        "dual_clip_tokens": 2.0,
         "approx_kl_sum": 4.0,
         "entropy_sum": 80.0,
         "ratio_max": 3.5,
@@ -437,6 +438,7 @@ def test_update_metrics_are_token_weighted_and_ratio_max_is_the_maximum():
     }
     out = run._summarise_updates(dict(totals))
     assert out["clip_frac"] == 0.25 and out["turn_clip_frac"] == 0.25
+    assert out["dual_clip_frac"] == 0.05
     assert out["approx_kl"] == 0.1 and out["entropy"] == 2.0 and out["ratio_max"] == 3.5
     assert out["policy_loss"] == 0.5 and out["skipped_updates"] == 1
 

@@ -464,6 +464,7 @@ class Trainer:
                     sums = {
                         "clip_tokens": float(m["clip_frac"]) * n_tok,
                         "clip_turns": float(m["turn_clip_frac"]) * n_turns,
+                        "dual_clip_tokens": float(m["dual_clip_frac"]) * n_tok,
                         "approx_kl_sum": float(m["approx_kl"]) * n_tok,
                         "turn_lr_abs_sum": float(m["turn_log_ratio_abs"]) * n_turns,
                         "turn_mean_lr_abs_sum": float(m["turn_mean_log_ratio_abs"]) * n_turns,
@@ -583,6 +584,7 @@ def _summarise_updates(totals: dict[str, float]) -> dict[str, float]:
         "skipped_updates": int(totals.pop("skipped_updates", 0)),
         "clip_frac": totals.pop("clip_tokens", 0.0) / tokens,
         "turn_clip_frac": totals.pop("clip_turns", 0.0) / turns,
+        "dual_clip_frac": totals.pop("dual_clip_tokens", 0.0) / tokens,
         "approx_kl": totals.pop("approx_kl_sum", 0.0) / tokens,
         "entropy": totals.pop("entropy_sum", 0.0) / tokens,
         "ratio_max": totals.pop("ratio_max", 0.0),
