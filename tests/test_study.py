@@ -184,7 +184,8 @@ def test_round2_warm_starts_runs_each_regime_and_reports_at_tiny_size(tmp_path):
     config = json.loads((run_dir / "config.json").read_text())
     assert config["init_from"].endswith("warmstart") and config["lr"] == r2._RL["--lr"]
     assert config["epochs"] == 4 and config["minibatches"] == 4
-    stale = json.loads((run_dir.parent.parent.parent / "stale2/mpo/seed0/config.json").read_text())
+    stale_dir = r2.Cell("synthetic-calls", "stale2", "mpo", 0).run_dir(tmp_path / "runs")
+    stale = json.loads((stale_dir / "config.json").read_text())
     assert (stale["max_staleness"], stale["epochs"], stale["minibatches"]) == (2, 1, 2)
     assert (tmp_path / "out" / "curves_synthetic-calls_reuse.png").exists()
     with pytest.raises(SystemExit, match="unknown"):
