@@ -49,19 +49,19 @@ notebooks: $(STAMP)
 
 ## study: the credit-assignment study (resumable; results in benchmarks/credit/)
 study: $(STAMP)
-	$(BIN)/python -m train.study
+	$(BIN)/python -m train.study.round1
 
 ## study-quick: its quick variant (a few presets, one seed; benchmarks/credit/quick/)
 study-quick: $(STAMP)
-	$(BIN)/python -m train.study --quick
+	$(BIN)/python -m train.study.round1 --quick
 
 ## study2: the study's round 2 (warm starts, reuse and staleness; benchmarks/credit/round2/)
 study2: $(STAMP)
-	$(BIN)/python -m train.study_round2
+	$(BIN)/python -m train.study.round2
 
 ## study2-quick: round 2's quick variant (one task, three variants, two regimes, one seed)
 study2-quick: $(STAMP)
-	$(BIN)/python -m train.study_round2 --quick
+	$(BIN)/python -m train.study.round2 --quick
 
 ## bench: the benchmark tables
 bench: $(STAMP)

@@ -46,7 +46,7 @@ def run(
 ) -> tuple[list[dict], float]:
     """(metrics rows, wall seconds) of one run; ``steps`` None: the run's default size and
     evaluations; ``threads``: XLA CPU threads (0: XLA's default)."""
-    from train.study import thread_limited_env
+    from train.study.round1 import thread_limited_env
 
     with tempfile.TemporaryDirectory() as tmp:
         if env in CHAT_ENVS:  # the newcomer's random Qwen3-shaped checkpoint (benchmarks/step.py)
@@ -133,7 +133,7 @@ def success_table(
     """Final held-out success per (environment, K) over seeds, and its difference from K = 0
     paired by seed (mean and bootstrap interval); ``jobs`` runs side by side, one XLA thread
     each."""
-    from train.study_stats import bootstrap_ci
+    from train.study.stats import bootstrap_ci
 
     print(f"train.run at its default size per K, seeds {seeds}: final held-out success")
     print()

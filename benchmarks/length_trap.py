@@ -49,8 +49,8 @@ def turn_ratios(batch) -> tuple[np.ndarray, np.ndarray]:
 
 
 def measure(k: int, steps: int, seed: int, init_from: str | None) -> tuple[np.ndarray, np.ndarray]:
-    from train import run
-    from train.config import parse_args
+    from train.core import trainer as trainer_module
+    from train.core.config import parse_args
 
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--env", "synthetic-calls-varlen", "--preset", "mpo", "--max-staleness", str(k),
@@ -60,7 +60,7 @@ def measure(k: int, steps: int, seed: int, init_from: str | None) -> tuple[np.nd
                  "--run-dir", tmp]  # fmt: skip
         if init_from:
             flags += ["--init-from", init_from]
-        trainer = run.Trainer(parse_args(flags))
+        trainer = trainer_module.Trainer(parse_args(flags))
         seen: list[tuple[np.ndarray, np.ndarray]] = []
         score = trainer.score
 

@@ -47,8 +47,8 @@ def write_checkpoint(folder: Path, layers: int) -> None:
     from flax import nnx
 
     from envs.chat import tokenizer_dir
-    from train.qwen3 import ModelConfig, Qwen3ForCausalLM
-    from train.weights import save_pretrained
+    from train.model.qwen3 import ModelConfig, Qwen3ForCausalLM
+    from train.model.weights import save_pretrained
 
     hf = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": layers, **QWEN3_06B}
     cfg = ModelConfig.from_hf(hf)
@@ -70,9 +70,9 @@ def run_flags(folder: Path, args) -> list[str]:
 def measure(flags: list[str]) -> dict:
     """(in the child process) one training step; the peak resident memory above the baseline."""
     import envs
-    from train.build import run_codec
-    from train.config import parse_args
-    from train.run import Trainer
+    from train.core.build import run_codec
+    from train.core.config import parse_args
+    from train.core.trainer import Trainer
 
     cfg = parse_args([*flags, "--run-dir", tempfile.mkdtemp()])
     run_codec(cfg, envs.make("search", seed=0))  # the tokenizer and the index: not the model's
@@ -94,7 +94,7 @@ def main() -> None:
     if args.measure:
         print(json.dumps(measure(json.loads(args.measure))))
         return
-    from train.config import parse_args
+    from train.core.config import parse_args
     from train.plan import GIB, make_plan
 
     with tempfile.TemporaryDirectory() as tmp:

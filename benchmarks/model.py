@@ -27,7 +27,7 @@ import transformers
 from flax import nnx
 
 from kernels.logprobs import token_logprobs
-from train.weights import load_pretrained
+from train.model.weights import load_pretrained
 
 
 def timed(fn, reps):

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from train.qwen3 import ModelConfig, Qwen3ForCausalLM
-from train.sampler import Sampler
+from train.engine.sampler import Sampler
+from train.model.qwen3 import ModelConfig, Qwen3ForCausalLM
 
 
 def main() -> None:

@@ -25,8 +25,8 @@ import numpy as np
 from flax import nnx
 
 from mpo_jax import algorithms
-from train.learner import ActionRows, Models, UpdateFns, make_optimizer
-from train.qwen3 import ModelConfig, Qwen3ForCausalLM
+from train.core.learner import ActionRows, Models, UpdateFns, make_optimizer
+from train.model.qwen3 import ModelConfig, Qwen3ForCausalLM
 
 
 def flops_per_token(cfg: ModelConfig, seq: int, action_share: float) -> float:

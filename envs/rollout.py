@@ -5,10 +5,10 @@ tests) for every live episode, then steps each environment with its turn's text.
 kept exactly as sampled; each observation is encoded once and appended to the live cache; the
 conversation is never re-rendered. The result is the padded turn-segment batch of docs/design.md §2.
 
-The loop talks to two things through the protocols declared here: a :class:`Policy` (the
-KV-cache sampler of ``train.sampler``, or a scripted policy in tests) and a :class:`Codec` (the
-text <-> token mapping an environment names as ``env.codec``: ``envs.chat.ChatFormat`` for the
-Qwen3 chat environments, ``envs.synthetic.WordCodec`` for the synthetic ones).
+The loop talks to two things through the protocols declared here: a :class:`Policy` (the KV-cache
+sampler of ``train.engine.sampler``, or a scripted policy in tests) and a :class:`Codec` (the text
+<-> token mapping an environment names as ``env.codec``: ``envs.chat.ChatFormat`` for the Qwen3 chat
+environments, ``envs.synthetic.WordCodec`` for the synthetic ones).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def tiny_qwen3(tmp_path_factory):
     """(PyTorch model, our model) of the tiny dense Qwen3 checkpoint (tests/models.py), built
     and loaded once per session."""
     from tests.models import save_tiny_qwen3
-    from train.weights import load_pretrained
+    from train.model.weights import load_pretrained
 
     path = tmp_path_factory.mktemp("tiny_qwen3")
     return save_tiny_qwen3(path), load_pretrained(path)

@@ -4,7 +4,7 @@
   write, and weights large enough that a wrong detail shows in the logits;
 * :func:`save_tiny_qwen3`: the tiny dense Qwen3 checkpoint (the ``tiny_qwen3`` fixture of
   ``tests/conftest.py`` builds it once per session and loads it into our model);
-* :func:`tiny_model_config`: the :class:`train.qwen3.ModelConfig` of a tiny flax Qwen3 built
+* :func:`tiny_model_config`: the :class:`train.model.qwen3.ModelConfig` of a tiny flax Qwen3 built
   without a checkpoint (sharding tests and their subprocess script).
 
 torch and transformers are imported where a checkpoint is built, so importing this module (as the
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from train.qwen3 import ModelConfig
+from train.model.qwen3 import ModelConfig
 
 if TYPE_CHECKING:
     import torch

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from train import run
-from train.async_rollouts import FairLock, RolloutWorker, WorkerStalled
-from train.config import parse_args
-from train.metrics import read_metrics
+from train.core import trainer as trainer_module
+from train.core.async_rollouts import FairLock, RolloutWorker, WorkerStalled
+from train.core.config import parse_args
+from train.core.metrics import read_metrics
 
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--kv-heads", "1", "--prompts-per-step",
         "4", "--group-size", "2", "--eval-every", "0", "--no-progress",
@@ -106,9 +107,9 @@ def test_the_worker_at_staleness_zero_reproduces_the_synchronous_loop(tmp_path):
     # The asynchronous machinery with K = 0 samples every step with the newest weights: the same
     # numbers as the synchronous loop, step by step.
     cfg = parse_args([*TINY, "--steps", "3", "--run-dir", str(tmp_path)])
-    sync = run.Trainer(cfg)
+    sync = trainer_module.Trainer(cfg)
     expected = [_numbers(sync.step(s)) for s in range(3)]
-    worker_run = run.Trainer(cfg)
+    worker_run = trainer_module.Trainer(cfg)
     got = [_numbers(m) for m in worker_run.run_async(range(3))]
     assert got == expected
     for x, y in zip(_leaves(sync.state), _leaves(worker_run.state), strict=True):
@@ -147,7 +148,7 @@ def test_stale_rows_are_corrected_by_the_behaviour_weights(tmp_path):
 
     cfg = parse_args([*TINY, "--max-staleness", "2", "--is-cap", "1.5", "--steps", "2",
                       "--run-dir", str(tmp_path)])  # fmt: skip
-    trainer = run.Trainer(cfg)
+    trainer = trainer_module.Trainer(cfg)
     old = trainer._published()
     trainer.step(0)  # the learner moves on
     stale = trainer.local_rollouts(1, old, trainer.sampler)  # sampled with version 0

@@ -303,7 +303,7 @@ def test_a_turn_cut_by_the_budget_or_the_end_of_text_is_closed_and_counted():
     import envs
     from envs.rollout import collect
     from envs.scripted import ScriptedGeneration
-    from train.run import rollout_metrics
+    from train.core.trainer import rollout_metrics
 
     chat = envs.make("search", seed=0).codec
     words = chat.encode(format_tool_call("search", {"query": "capital of France"}))

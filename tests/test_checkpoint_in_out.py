@@ -13,8 +13,8 @@ import transformers
 
 from tests.models import save_official_qwen3
 from train import evaluate, export, run
-from train.build import model_config, restore_model, run_codec, run_config
-from train.metrics import read_metrics
+from train.core.build import model_config, restore_model, run_codec, run_config
+from train.core.metrics import read_metrics
 
 IDS = np.random.default_rng(1).integers(0, 151_643, size=(2, 11))
 

@@ -14,9 +14,9 @@ from flax import nnx
 from mpo_jax import algorithms
 from mpo_jax.batch import TurnBatch
 from tests.models import tiny_model_config
-from train.learner import ActionRows, Models, UpdateFns, make_optimizer
-from train.qwen3 import Qwen3ForCausalLM
-from train.sampler import Sampler
+from train.core.learner import ActionRows, Models, UpdateFns, make_optimizer
+from train.engine.sampler import Sampler
+from train.model.qwen3 import Qwen3ForCausalLM
 
 # The tolerances the README states for bfloat16 compute (float32 parameters), measured here on a
 # tiny random model: logits within 3% of their scale, log-probs within 0.06 nats, gradients
@@ -100,7 +100,7 @@ def test_bfloat16_compute_stays_within_the_stated_tolerances():
     assert half.dtype == jnp.float32  # logits accumulate in float32 whatever the compute dtype
     scale = float(jnp.abs(exact).max())
     assert float(jnp.abs(half - exact).max()) < BF16_LOGITS * scale
-    from train.learner import token_logprobs
+    from train.core.learner import token_logprobs
 
     lp, _ = token_logprobs(fns.models.actor, params, rows.tokens, rows.positions)
     lp_b, _ = token_logprobs(fns_b.models.actor, params, rows.tokens, rows.positions)
@@ -155,17 +155,23 @@ def test_chunked_prefill_equals_one_chunk(tiny_qwen3):
 
 def test_the_reference_and_the_critic_exist_only_where_something_reads_them(tmp_path):
     from train import run
-    from train.checkpoint import Checkpoints
-    from train.config import parse_args
+    from train.core import trainer as trainer_module
+    from train.core.checkpoint import Checkpoints
+    from train.core.config import parse_args
 
     tiny = ["--layers", "1", "--width", "32", "--heads", "2", "--kv-heads", "1",
             "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0", "--no-progress",
             "--steps", "1"]  # fmt: skip
-    grpo = run.Trainer(parse_args([*tiny, "--preset", "grpo", "--no-log-ref-kl"]))
+    grpo = trainer_module.Trainer(parse_args([*tiny, "--preset", "grpo", "--no-log-ref-kl"]))
     assert grpo.ref is None and "critic" not in grpo.state  # nothing reads either
-    assert run.Trainer(parse_args([*tiny, "--preset", "grpo"])).ref is not None  # ref_kl reads it
-    assert run.Trainer(parse_args([*tiny, "--preset", "trace", "--no-log-ref-kl"])).ref is not None
-    mpo = run.Trainer(parse_args([*tiny, "--preset", "mpo", "--no-log-ref-kl"]))
+    assert (
+        trainer_module.Trainer(parse_args([*tiny, "--preset", "grpo"])).ref is not None
+    )  # ref_kl reads it
+    assert (
+        trainer_module.Trainer(parse_args([*tiny, "--preset", "trace", "--no-log-ref-kl"])).ref
+        is not None
+    )
+    mpo = trainer_module.Trainer(parse_args([*tiny, "--preset", "mpo", "--no-log-ref-kl"]))
     assert mpo.ref is None and "critic" in mpo.state
     assert run.main([*tiny, "--preset", "mpo", "--run-dir", str(tmp_path)]) == 0
     ckpt = Checkpoints(tmp_path / "checkpoints")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from train import run
-from train.config import parse_args
+from train.core import trainer as trainer_module
+from train.core.config import parse_args
 from train.plan import make_plan
 
 TINY = ["--layers", "2", "--width", "32", "--heads", "2", "--kv-heads", "1", "--prompts-per-step",
@@ -30,7 +31,7 @@ def _bytes(tree) -> int:
 def planned(tmp_path_factory):
     """(plan, trainer) of the tiny configuration: one plan and one trainer for the module."""
     cfg = parse_args([*TINY, "--run-dir", str(tmp_path_factory.mktemp("plan"))])
-    return make_plan(cfg), run.Trainer(cfg)
+    return make_plan(cfg), trainer_module.Trainer(cfg)
 
 
 def test_the_plans_state_is_what_a_trainer_holds(planned):
@@ -52,7 +53,7 @@ def test_the_plans_state_is_what_a_trainer_holds(planned):
 def test_the_plans_programs_are_the_trainers_compiled_programs(planned):
     # The actor's training micro-step as the trainer compiles it for a worst-case micro-batch
     # (--max-len tokens, every one an action token): the plan reports its own analysis.
-    from train.learner import ActionRows
+    from train.core.learner import ActionRows
 
     plan, trainer = planned
     rows, t = trainer.cfg.micro_rows, trainer.cfg.max_len

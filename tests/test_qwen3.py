@@ -14,8 +14,8 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from tests.models import SMALL, TINY_QWEN3, randomise
-from train.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
-from train.weights import CheckpointError, load_pretrained, save_pretrained
+from train.model.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
+from train.model.weights import CheckpointError, load_pretrained, save_pretrained
 
 IDS = np.random.default_rng(0).integers(0, 96, size=(2, 13))
 
@@ -301,7 +301,7 @@ def test_gradients_flow_through_dense_and_moe_blocks(checkpoint):
 def test_the_balanced_expert_matmul_equals_ragged_dot_when_experts_share_tokens_evenly():
     # train.plan's stand-in for ragged_dot: exact (values and gradients) under balanced routing,
     # wrong under skewed routing (it is a plan's shape, never a trainer's), unknown names refused.
-    from train.qwen3 import grouped_matmul
+    from train.model.qwen3 import grouped_matmul
 
     e, d, f = 8, 16, 12
     rng = np.random.default_rng(0)
@@ -329,7 +329,7 @@ def test_the_cpu_compiler_expands_ragged_dot_through_every_expert():
     # Why train.plan uses the stand-in on a CPU: XLA's CPU lowering of ragged_dot holds a
     # temporary per expert, the grouped matmul does not. Fails (and the stand-in can go) the day
     # the CPU compiler lowers ragged_dot as a grouped matmul.
-    from train.qwen3 import grouped_matmul
+    from train.model.qwen3 import grouped_matmul
 
     e, n, d, f = 64, 1024, 64, 64
     sizes = jax.ShapeDtypeStruct((e,), jnp.int32)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.logprobs import token_logprobs
-from train.sampler import Sampler, generate
+from train.engine.sampler import Sampler, generate
 
 PROMPTS = [[5, 17, 3, 44, 9, 1, 2], [7, 7], [60, 2, 31, 4]]
 
@@ -110,7 +110,7 @@ def test_capacity_and_bad_arguments_are_named(tiny_qwen3):
 
 @pytest.mark.parametrize("block", [1, 4, 64])
 def test_two_level_categorical_samples_the_softmax(block):
-    from train.sampler import categorical
+    from train.engine.sampler import categorical
 
     logits = jnp.asarray([[0.0, 1.0, -jnp.inf, 2.0, -1.0, 0.5, -jnp.inf, 3.0, 0.0, -2.0]] * 2)
     n = 40_000

@@ -12,9 +12,10 @@ import pytest
 
 from envs.chat import format_tool_call
 from train import run, sft
-from train.checkpoint import Checkpoints
-from train.config import parse_args
-from train.metrics import read_metrics
+from train.core import trainer as trainer_module
+from train.core.checkpoint import Checkpoints
+from train.core.config import parse_args
+from train.core.metrics import read_metrics
 
 TINY = ["--layers", "1", "--width", "32", "--heads", "2", "--kv-heads", "1", "--no-progress",
         "--env", "synthetic-calls", "--demos", "64", "--val-demos", "16", "--batch-size", "8",
@@ -53,7 +54,7 @@ def _actor_like(run_dir):
     from flax import nnx
 
     import envs
-    from train.build import abstract_actor, model_config, run_codec, run_config
+    from train.core.build import abstract_actor, model_config, run_codec, run_config
 
     cfg = run_config(run_dir)
     codec = run_codec(cfg, envs.make(cfg.env, seed=0))
@@ -67,7 +68,7 @@ def test_rl_starts_from_the_warm_start_and_uses_it_as_reference(tmp_path):
     flags = ["--init-from", str(tmp_path / "sft"), "--env", "synthetic-calls", "--preset",
              "trace", "--prompts-per-step", "2", "--group-size", "2", "--eval-every", "0",
              "--no-progress", "--steps", "1", "--run-dir", str(tmp_path / "rl")]  # fmt: skip
-    trainer = run.Trainer(parse_args(flags))
+    trainer = trainer_module.Trainer(parse_args(flags))
     warm = sft_actor = Checkpoints(tmp_path / "sft" / "checkpoints").restore(
         {"actor": trainer.state["actor"]}
     )["actor"]

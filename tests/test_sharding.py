@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from tests.models import tiny_model_config
-from train.qwen3 import Qwen3ForCausalLM
-from train.sharding import make_mesh, param_shardings
+from train.model.qwen3 import Qwen3ForCausalLM
+from train.model.sharding import make_mesh, param_shardings
 
 
 def test_sharded_update_equals_single_device_update():
@@ -60,8 +60,8 @@ def test_two_processes_on_loopback_run_a_sharded_step(tmp_path):
     from envs.rollout import Rollouts
     from mpo_jax import algorithms
     from mpo_jax.batch import TurnBatch
-    from train.config import parse_args
-    from train.run import Trainer
+    from train.core.config import parse_args
+    from train.core.trainer import Trainer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,7 +134,7 @@ def test_two_processes_on_loopback_run_a_sharded_step(tmp_path):
 
 
 def test_distributed_set_up_reads_the_environment(monkeypatch):
-    from train import distributed
+    from train.core import distributed
 
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
                 "MPO_JAX_DISTRIBUTED", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
@@ -156,7 +156,7 @@ def test_distributed_set_up_reads_the_environment(monkeypatch):
 def test_one_process_owns_everything():
     import numpy as np
 
-    from train import distributed
+    from train.core import distributed
 
     assert distributed.host_share(6) == slice(0, 6)
     x = np.arange(6).reshape(3, 2)

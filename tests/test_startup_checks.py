@@ -12,8 +12,9 @@ import pytest
 
 from envs.chat import tokenizer_dir
 from train import evaluate, export, run
-from train.build import model_config, restore_model, run_codec, run_config
-from train.metrics import read_metrics
+from train.core import trainer as trainer_module
+from train.core.build import model_config, restore_model, run_codec, run_config
+from train.core.metrics import read_metrics
 
 IDS = np.random.default_rng(1).integers(0, 20, size=(2, 11))
 
@@ -111,11 +112,13 @@ def test_bad_input_is_refused_at_start_naming_the_file_or_flag(tmp_path, capsys,
 
 
 def test_tasks_that_cannot_fit_are_dropped_and_counted_on_request(tmp_path, capsys):
-    from train.config import parse_args
+    from train.core.config import parse_args
 
     # search prompts are 346-368 tokens: a budget of 368 + 1 keeps those up to 359
     args = ["--env", "search", "--preset", "grpo", "--max-len", "369", "--max-new-tokens", "9"]
-    trainer = run.Trainer(parse_args([*args, "--drop-long-tasks", "--run-dir", str(tmp_path)]))
+    trainer = trainer_module.Trainer(
+        parse_args([*args, "--drop-long-tasks", "--run-dir", str(tmp_path)])
+    )
     err = capsys.readouterr().err
     assert "--drop-long-tasks:" in err and "train tasks of search do not fit" in err
     dropped = set(trainer.env_options["exclude_tasks"])
@@ -154,7 +157,7 @@ def test_evaluating_a_runs_checkpoint_reproduces_the_runs_own_evaluation(tmp_pat
 
 
 def test_a_new_run_starts_from_an_export_or_a_run_directory(tmp_path):
-    from train.config import parse_args
+    from train.core.config import parse_args
 
     run_dir, out = tmp_path / "run", tmp_path / "export"
     assert run.main([*TINY, "--steps", "2", "--eval-every", "0", "--run-dir", str(run_dir)]) == 0
@@ -162,7 +165,7 @@ def test_a_new_run_starts_from_an_export_or_a_run_directory(tmp_path):
     assert export.main(["--run-dir", str(run_dir), "--out", str(out)]) == 2  # not empty: refused
     trained = _our_logits(run_dir, IDS)
     for source in (out, run_dir):
-        trainer = run.Trainer(
+        trainer = trainer_module.Trainer(
             parse_args([*TINY, "--init-from", str(source), "--run-dir", str(tmp_path / "x")])
         )
         from flax import nnx

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from train import study
-from train.study_stats import bootstrap_ci, mean_band, normalised_auc, steps_to_threshold
+from train.study import round1 as study
+from train.study.stats import bootstrap_ci, mean_band, normalised_auc, steps_to_threshold
 
 
 def test_normalised_auc_is_the_mean_height_of_the_curve():
@@ -119,7 +119,7 @@ def test_child_runs_share_a_compilation_cache_unless_one_is_named(tmp_path, monk
 
 
 def test_round2_ablations_are_paired_by_seed_with_a_verdict(tmp_path):
-    from train import study_round2 as r2
+    from train.study import round2 as r2
 
     def fake(variant, seed, final, extra=None):
         cell = r2.Cell("synthetic-calls", "reuse", variant, seed)
@@ -166,7 +166,7 @@ def test_round2_ablations_are_paired_by_seed_with_a_verdict(tmp_path):
 
 
 def test_round2_warm_starts_runs_each_regime_and_reports_at_tiny_size(tmp_path):
-    from train import study_round2 as r2
+    from train.study import round2 as r2
 
     args = ["--size", "tiny", "--envs", "synthetic-calls", "--variants", "mpo",
             "--regimes", "reuse,stale2", "--seeds", "1", "--jobs", "2",
@@ -194,7 +194,7 @@ def test_round2_warm_starts_runs_each_regime_and_reports_at_tiny_size(tmp_path):
 
 def test_round2_variants_name_presets_and_fields_that_exist():
     from mpo_jax import algorithms
-    from train import study_round2 as r2
+    from train.study import round2 as r2
 
     for variant, (preset, overrides) in r2.VARIANTS.items():
         # get() refuses a setting no family has; an override must change the preset

@@ -16,8 +16,9 @@ import pytest
 
 from mpo_jax import algorithms
 from train import run
-from train.config import TrainConfig, parse_args
-from train.metrics import pass_at_k, read_metrics
+from train.core import trainer as trainer_module
+from train.core.config import TrainConfig, parse_args
+from train.core.metrics import pass_at_k, read_metrics
 
 TINY = [
     "--layers",
@@ -79,13 +80,13 @@ def leaves(state):
 
 
 def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path):
-    whole = run.Trainer(parse_args(flags(tmp_path / "a", "--steps", "4")))
+    whole = trainer_module.Trainer(parse_args(flags(tmp_path / "a", "--steps", "4")))
     assert run.main(flags(tmp_path / "a", "--steps", "4", "--checkpoint-every", "2")) == 0
     assert run.main(flags(tmp_path / "b", "--steps", "2", "--checkpoint-every", "2")) == 0
     assert (
         run.main(flags(tmp_path / "b", "--steps", "4", "--checkpoint-every", "2", "--resume")) == 0
     )
-    from train.checkpoint import Checkpoints
+    from train.core.checkpoint import Checkpoints
 
     a = Checkpoints(tmp_path / "a" / "checkpoints").restore(whole.state)
     b = Checkpoints(tmp_path / "b" / "checkpoints").restore(whole.state)
@@ -99,7 +100,9 @@ def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path):
 
 def test_a_nan_batch_is_skipped_without_touching_parameters(tmp_path):
     # one minibatch: the actor's only update sees the NaN
-    trainer = run.Trainer(parse_args(flags(tmp_path, "--steps", "1", "--minibatches", "1")))
+    trainer = trainer_module.Trainer(
+        parse_args(flags(tmp_path, "--steps", "1", "--minibatches", "1"))
+    )
     rollouts = trainer.rollout(0)
     batch, _ = trainer.score(rollouts)
     credit = algorithms.compute_advantages(trainer.algo, batch)
@@ -214,7 +217,7 @@ def test_plot_writes_a_png(tmp_path):
 def test_warmup_moves_the_parameters_from_the_first_update(warmup, per_step, expected):
     import jax.numpy as jnp
 
-    from train.learner import make_optimizer
+    from train.core.learner import make_optimizer
 
     tx = make_optimizer(
         1.0, warmup_steps=warmup, updates_per_step=per_step, clip=1e9, weight_decay=0.0
@@ -228,7 +231,9 @@ def test_warmup_moves_the_parameters_from_the_first_update(warmup, per_step, exp
 
 def test_the_entropy_bonus_reaches_the_actor_update(tmp_path):
     # --entropy-coef was once parsed and never passed on: the update ignored it.
-    trainer = run.Trainer(parse_args(flags(tmp_path, "--steps", "1", "--entropy-coef", "0.25")))
+    trainer = trainer_module.Trainer(
+        parse_args(flags(tmp_path, "--steps", "1", "--entropy-coef", "0.25"))
+    )
     assert trainer.fns.entropy_coef == 0.25
     rollouts = trainer.rollout(0)
     batch, _ = trainer.score(rollouts)
@@ -270,9 +275,9 @@ def test_sigkilled_run_resumes_with_its_own_config_from_only_run_dir(tmp_path):
 
     whole = tmp_path / "whole"
     assert run.main(flags(whole, *run_flags)) == 0
-    from train.checkpoint import Checkpoints
+    from train.core.checkpoint import Checkpoints
 
-    like = run.Trainer(parse_args(flags(tmp_path / "x", *run_flags))).state
+    like = trainer_module.Trainer(parse_args(flags(tmp_path / "x", *run_flags))).state
     a = Checkpoints(whole / "checkpoints").restore(like)
     b = Checkpoints(killed / "checkpoints").restore(like)
     assert a["step"] == b["step"] == 8
@@ -323,14 +328,16 @@ def test_config_json_records_the_resolved_algorithm_and_length(tmp_path):
 
 
 def test_evaluation_is_held_out_and_fresh_under_their_own_names(tmp_path):
-    trainer = run.Trainer(parse_args(flags(tmp_path, "--eval-episodes", "4", "--eval-k", "2")))
+    trainer = trainer_module.Trainer(
+        parse_args(flags(tmp_path, "--eval-episodes", "4", "--eval-k", "2"))
+    )
     out = trainer.evaluate(1)
     assert set(out) == {
         f"eval_{name}_{what}"
         for name in ("heldout", "fresh")
         for what in ("success_rate", "pass@1", "pass@2", "env_tool_calls")
     }
-    from train.episodes import EVAL_TASK_OFFSET, make_episodes
+    from train.core.episodes import EVAL_TASK_OFFSET, make_episodes
 
     def episodes(options, offset=0):
         return make_episodes(
@@ -346,7 +353,7 @@ def test_evaluation_is_held_out_and_fresh_under_their_own_names(tmp_path):
 def test_truncated_rows_are_bootstrapped_with_the_critic_and_finished_rows_are_not(tmp_path):
     # a length budget shorter than the longest episode: some rows are cut (outcome unknown)
     cut_flags = ("--prompts-per-step", "32", "--max-len", "20")
-    trainer = run.Trainer(parse_args(flags(tmp_path, *cut_flags)))
+    trainer = trainer_module.Trainer(parse_args(flags(tmp_path, *cut_flags)))
     # the value head starts at zero: move it so that the critic says something
     trainer.state["critic"] = jax.tree.map(lambda x: x + 0.05, trainer.state["critic"])
     rollouts = trainer.rollout(0)
@@ -374,7 +381,7 @@ def test_truncated_rows_are_bootstrapped_with_the_critic_and_finished_rows_are_n
 
 
 def test_sizes_that_do_not_fit_the_mesh_are_refused_at_start_naming_the_flags():
-    from train.config import check_mesh_fit
+    from train.core.config import check_mesh_fit
 
     cfg = TrainConfig(prompts_per_step=6, group_size=1, minibatches=2)  # micro-batches of 3 rows
     with pytest.raises(ValueError, match=r"3 rows .* 2 data-parallel devices .* --minibatches"):
@@ -394,15 +401,15 @@ def test_the_length_budget_follows_the_environment_and_a_short_one_is_said(tmp_p
     base = flags(tmp_path / "a")
     i = base.index("--max-len")
     base = base[:i] + base[i + 2 :]  # the default: 0, from the environment
-    trainer = run.Trainer(parse_args([*base, *long_env]))
+    trainer = trainer_module.Trainer(parse_args([*base, *long_env]))
     assert trainer.cfg.max_len == 79  # 5 + 8 turns x 4 words + 7 observations x 6 words
     assert "warning" not in capsys.readouterr().err
-    short = run.Trainer(
+    short = trainer_module.Trainer(
         parse_args([*base, *long_env, "--max-len", "48", "--prompts-per-step", "8"])
     )
     err = capsys.readouterr().err
     assert "--max-len 48 cannot hold the longest episode of synthetic-nav-long (79 tokens)" in err
-    metrics = run.rollout_metrics(short.rollout(0))
+    metrics = trainer_module.rollout_metrics(short.rollout(0))
     assert metrics["length_cut_frac"] > 0
     assert metrics["truncated_frac"] == pytest.approx(
         metrics["length_cut_frac"] + metrics["turn_limit_frac"]
@@ -410,7 +417,7 @@ def test_the_length_budget_follows_the_environment_and_a_short_one_is_said(tmp_p
 
 
 def test_every_flag_has_a_help_string():
-    from train.config import HELP, _parser
+    from train.core.config import HELP, _parser
 
     text = _parser().format_help()
     for f in dataclasses.fields(TrainConfig):
@@ -436,7 +443,7 @@ def test_update_metrics_are_token_weighted_and_ratio_max_is_the_maximum():
         "skipped_updates": 1.0,
         "policy_loss": 1.0,
     }
-    out = run._summarise_updates(dict(totals))
+    out = trainer_module._summarise_updates(dict(totals))
     assert out["clip_frac"] == 0.25 and out["turn_clip_frac"] == 0.25
     assert out["dual_clip_frac"] == 0.05
     assert out["approx_kl"] == 0.1 and out["entropy"] == 2.0 and out["ratio_max"] == 3.5
@@ -444,7 +451,7 @@ def test_update_metrics_are_token_weighted_and_ratio_max_is_the_maximum():
 
 
 def test_a_step_logs_the_true_ratio_max_over_its_updates(tmp_path, monkeypatch):
-    trainer = run.Trainer(parse_args(flags(tmp_path, "--minibatches", "2")))
+    trainer = trainer_module.Trainer(parse_args(flags(tmp_path, "--minibatches", "2")))
     seen = []
     original = trainer._minibatch
 
@@ -469,7 +476,7 @@ def test_rollout_metrics_report_the_environments_own_figures():
          "length_cut": True},
     ]  # fmt: skip
     batch = type("B", (), {"loss_mask": np.ones((3, 4), bool)})()
-    out = run.rollout_metrics(Rollouts(batch, None, [], episodes, 0.0))
+    out = trainer_module.rollout_metrics(Rollouts(batch, None, [], episodes, 0.0))
     assert out["env_em"] == 0.5 and out["env_f1"] == 0.5 and out["env_db_match"] == 1.0
     assert out["truncated_frac"] == pytest.approx(2 / 3)
     assert out["length_cut_frac"] == pytest.approx(1 / 3)
@@ -480,13 +487,13 @@ def test_evaluation_samples_from_a_stream_no_training_step_or_other_process_uses
         return tuple(np.asarray(jax.random.key_data(key)).tolist())
 
     train_keys = {
-        data(run.sampling_key(s, run.TRAIN_STREAM, step, p))
+        data(trainer_module.sampling_key(s, trainer_module.TRAIN_STREAM, step, p))
         for s in (0, 126)
         for step in range(300)
         for p in range(3)
     }
     eval_keys = {
-        data(run.sampling_key(s, run.EVAL_STREAM, step, p))
+        data(trainer_module.sampling_key(s, trainer_module.EVAL_STREAM, step, p))
         for s in (0, 126)
         for step in range(0, 600, 100)
         for p in range(3)
@@ -496,9 +503,11 @@ def test_evaluation_samples_from_a_stream_no_training_step_or_other_process_uses
 
 
 def test_validate_batches_checks_every_scored_batch(tmp_path, monkeypatch):
-    trainer = run.Trainer(parse_args(flags(tmp_path, "--validate-batches")))
+    trainer = trainer_module.Trainer(parse_args(flags(tmp_path, "--validate-batches")))
     seen = []
-    monkeypatch.setattr(run, "validate", lambda batch, **kw: seen.append(kw["vocab_size"]))
+    monkeypatch.setattr(
+        trainer_module, "validate", lambda batch, **kw: seen.append(kw["vocab_size"])
+    )
     trainer.step(0)
     assert seen == [trainer.codec.vocab_size]
     # and a real scored batch passes the real check (every field, sampler_logp included)

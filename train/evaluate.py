@@ -6,8 +6,9 @@
 
 No optimizer, critic or reference model is built: the policy alone plays ``--episodes`` tasks of
 ``--split`` x ``--k`` samples through the same code as the trainer's evaluation
-(:func:`train.evaluation.evaluate_set`), with the trainer's task seeds and sampling keys (a run's
-checkpoint at step N is evaluated exactly as the run's own evaluation at step N was). It prints
+(:func:`train.core.evaluation.evaluate_set`), with the trainer's task seeds and sampling keys (a
+run's checkpoint at step N is evaluated exactly as the run's own evaluation at step N was). It
+prints
 the figures and writes ``metrics.json`` and ``transcripts.jsonl`` (every episode's conversation
 as text, its task, outcome and figures) to ``--out``. A user scores the base checkpoint before
 training and the exported one after, on the same tasks.
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 import envs
-from train.build import (
+from train.core.build import (
     compute_dtype,
     initial_actor,
     model_config,
@@ -30,11 +31,11 @@ from train.build import (
     run_codec,
     run_config,
 )
-from train.checkpoint import Checkpoints
-from train.config import TrainConfig
-from train.episodes import EVAL_STREAM, fit_tasks, length_budget, sampling_key
-from train.evaluation import evaluate_set
-from train.sampler import Sampler
+from train.core.checkpoint import Checkpoints
+from train.core.config import TrainConfig
+from train.core.episodes import EVAL_STREAM, fit_tasks, length_budget, sampling_key
+from train.core.evaluation import evaluate_set
+from train.engine.sampler import Sampler
 
 __all__ = ["main", "evaluate"]
 

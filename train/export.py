@@ -24,9 +24,9 @@ from pathlib import Path
 import jax.numpy as jnp
 
 import envs
-from train.build import model_config, model_source, restore_model, run_codec, run_config
-from train.checkpoint import Checkpoints
-from train.weights import save_pretrained
+from train.core.build import model_config, model_source, restore_model, run_codec, run_config
+from train.core.checkpoint import Checkpoints
+from train.model.weights import save_pretrained
 
 __all__ = ["main", "export"]
 

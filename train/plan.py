@@ -143,17 +143,17 @@ def device_memory() -> int | None:
 
 
 def make_plan(cfg, *, limit: int | None = None):
-    """The plan of ``cfg`` (a :class:`train.config.TrainConfig`) on this process's devices."""
+    """The plan of ``cfg`` (a :class:`train.core.config.TrainConfig`) on this process's devices."""
     from flax import nnx
 
     import envs
     from mpo_jax import algorithms
-    from train.build import compute_dtype, model_config, needs_reference, run_codec
-    from train.learner import ActionRows, Models, UpdateFns, loss_fields, make_optimizer
-    from train.qwen3 import KVCache, Qwen3ForCausalLM, Qwen3ValueModel
-    from train.sampler import _decode_jit, _extend_jit, bucket, cache_sharding, cache_slots
-    from train.scoring import Scorer
-    from train.sharding import batch_sharding, batch_ways, make_mesh, param_shardings
+    from train.core.build import compute_dtype, model_config, needs_reference, run_codec
+    from train.core.learner import ActionRows, Models, UpdateFns, loss_fields, make_optimizer
+    from train.core.scoring import Scorer
+    from train.engine.sampler import _decode_jit, _extend_jit, bucket, cache_sharding, cache_slots
+    from train.model.qwen3 import KVCache, Qwen3ForCausalLM, Qwen3ValueModel
+    from train.model.sharding import batch_sharding, batch_ways, make_mesh, param_shardings
 
     cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype(cfg.compute_dtype))
     algo = algorithms.get(cfg.preset, **cfg.algo_set)
@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             env = {**os.environ, "MPO_JAX_PLAN_CHILD": "1"}
             cmd = [sys.executable, "-m", "train.plan", *argv]
             return subprocess.run(cmd, env=env).returncode
-    from train.config import parse_args
+    from train.core.config import parse_args
 
     cfg = parse_args(["--run-dir", os.devnull, *rest] if "--run-dir" not in rest else rest)
     limit = int(ours.device_memory) if ours.device_memory else device_memory()

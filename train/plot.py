@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from train.metrics import read_metrics  # noqa: E402
+from train.core.metrics import read_metrics  # noqa: E402
 
 DEFAULT_METRICS = (
     "success_rate",

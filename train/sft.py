@@ -49,14 +49,14 @@ from envs.rollout import collect
 from envs.scripted import ScriptedPolicy, oracle_act
 from kernels.logprobs import logprobs_and_entropy
 from mpo_jax.batch import padded_length
-from train.build import compute_dtype, initial_actor, model_config, run_codec
-from train.checkpoint import Checkpoints
-from train.config import HELP, TrainConfig, read_run_config
-from train.episodes import EVAL_STREAM, fit_tasks, length_budget, sampling_key
-from train.evaluation import evaluate_set
-from train.learner import make_optimizer
-from train.metrics import MetricsLog
-from train.sampler import Sampler
+from train.core.build import compute_dtype, initial_actor, model_config, run_codec
+from train.core.checkpoint import Checkpoints
+from train.core.config import HELP, TrainConfig, read_run_config
+from train.core.episodes import EVAL_STREAM, fit_tasks, length_budget, sampling_key
+from train.core.evaluation import evaluate_set
+from train.core.learner import make_optimizer
+from train.core.metrics import MetricsLog
+from train.engine.sampler import Sampler
 
 __all__ = ["SFTConfig", "Examples", "main", "demonstrations", "conversations", "pack"]
 

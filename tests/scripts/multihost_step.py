@@ -9,7 +9,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 )
 
-from train.distributed import initialize_from_env, to_host  # noqa: E402
+from train.core.distributed import initialize_from_env, to_host  # noqa: E402
 
 assert initialize_from_env(), "the JAX_* variables were not set"
 
@@ -19,21 +19,21 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import train.run as run  # noqa: E402
 from mpo_jax import algorithms  # noqa: E402
-from train.config import parse_args  # noqa: E402
+from train.core import trainer as trainer_module  # noqa: E402
+from train.core.config import parse_args  # noqa: E402
 
 out_dir, flags = sys.argv[1], sys.argv[2:]
 assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
 cfg = parse_args(flags + ["--mesh", "2,2,1", "--run-dir", os.path.join(out_dir, "run")])
-trainer = run.Trainer(cfg)
+trainer = trainer_module.Trainer(cfg)
 kernel = trainer.state["actor"]["model"]["layers"][0]["layer"]["mlp"]["gate_proj"][
     "kernel"
 ].get_value()
 assert not kernel.is_fully_addressable  # the parameters really span both processes
 
 seen = {}
-original = run.gather_rollouts
+original = trainer_module.gather_rollouts
 
 
 def spy(local):
@@ -41,7 +41,7 @@ def spy(local):
     return original(local)
 
 
-run.gather_rollouts = spy
+trainer_module.gather_rollouts = spy
 rollouts = trainer.rollout(0)
 # the environments' own figures and the turn grades travel with the gathered episodes
 rows = len(rollouts.batch.tokens)

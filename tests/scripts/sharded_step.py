@@ -16,9 +16,9 @@ from flax import nnx  # noqa: E402
 from mpo_jax import algorithms  # noqa: E402
 from mpo_jax.batch import TurnBatch  # noqa: E402
 from tests.models import tiny_model_config  # noqa: E402
-from train.learner import ActionRows, Models, UpdateFns, make_optimizer  # noqa: E402
-from train.qwen3 import Qwen3ForCausalLM, Qwen3ValueModel  # noqa: E402
-from train.sharding import batch_sharding, make_mesh, shard_params  # noqa: E402
+from train.core.learner import ActionRows, Models, UpdateFns, make_optimizer  # noqa: E402
+from train.model.qwen3 import Qwen3ForCausalLM, Qwen3ValueModel  # noqa: E402
+from train.model.sharding import batch_sharding, make_mesh, shard_params  # noqa: E402
 
 assert len(jax.devices()) == 8, jax.devices()
 cfg = tiny_model_config(tie_word_embeddings=False)

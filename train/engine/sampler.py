@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from train.qwen3 import KVCache
+from train.model.qwen3 import KVCache
 
 __all__ = [
     "Generation",
@@ -147,7 +147,7 @@ class Sampler:
     """A batch of live conversations sharing one preallocated KV cache.
 
     Args:
-      model: a :class:`train.qwen3.Qwen3ForCausalLM` (any module with the same ``extend``).
+      model: a :class:`train.model.qwen3.Qwen3ForCausalLM` (any module with the same ``extend``).
       capacity: the most tokens one conversation may hold (prompt, turns, observations).
       batch_size: rows (conversations) a batch must have; None: whatever :meth:`start` gets.
       prefill_chunk: the most tokens a row prefills in one call (longer prompts and
@@ -173,7 +173,8 @@ class Sampler:
         self.prefill_chunk = prefill_chunk
         self.slots = cache_slots(capacity)
         self.mesh = mesh
-        # held around each program call (a lock shared with a learner thread, train.async_rollouts)
+        # held around each program call (a lock shared with a learner thread,
+        # train.core.async_rollouts)
         self.device = device if device is not None else contextlib.nullcontext()
         self.cache = None
         self.lengths = np.zeros(batch_size or 0, np.int32)
@@ -298,7 +299,7 @@ def cache_sharding(cfg, rows: int, mesh) -> jax.sharding.NamedSharding | None:
     value heads over ``tensor``, each where it divides (None without a mesh)."""
     if mesh is None:
         return None
-    from train.sharding import DEFAULT_RULES, batch_ways
+    from train.model.sharding import DEFAULT_RULES, batch_ways
 
     data = dict(DEFAULT_RULES)["batch"] if rows % batch_ways(mesh) == 0 else None
     tensor = mesh.shape.get("tensor", 1)

@@ -1,8 +1,8 @@
 """The credit-assignment study: presets and ablations side by side on tasks built for credit.
 
-    python -m train.study                  # the whole grid (resumable: finished runs are skipped)
-    python -m train.study --quick          # a few presets, one seed, short runs (< 10 minutes)
-    python -m train.study --report-only    # aggregate what is there
+    python -m train.study.round1                # the whole grid (resumable: finished runs skipped)
+    python -m train.study.round1 --quick        # a few presets, one seed, short runs (< 10 min)
+    python -m train.study.round1 --report-only  # aggregate what is there
 
 Every run goes through the trainer's own CLI (``python -m train.run``) into
 ``<runs>/<env>/<variant>/seed<k>``; a run that finished has a ``study.json`` beside its
@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from train.metrics import read_metrics
-from train.study_stats import bootstrap_ci, mean_band, normalised_auc, steps_to_threshold
+from train.core.metrics import read_metrics
+from train.study.stats import bootstrap_ci, mean_band, normalised_auc, steps_to_threshold
 
 __all__ = [
     "VARIANTS",
@@ -325,8 +325,9 @@ def markdown(results: dict[str, Any], size: str, variants) -> str:
     lines = [
         "# Credit-assignment study: results",
         "",
-        "Written by `python -m train.study`; numbers are means over seeds with 95% bootstrap "
-        "intervals in brackets. Success in %. Held-out = task instances training never draws; "
+        "Written by `python -m train.study.round1`; numbers are means over seeds with 95% "
+        "bootstrap intervals in brackets. Success in %. Held-out = task instances training never "
+        "draws; "
         "fresh = new episodes of the training instances. AUC = mean success over the evaluation "
         "curve. Steps to 50% = first evaluation with held-out success >= 50% (seeds that reached "
         "it / seeds). EV = the critic's explained variance, TVF = the between-turn share of its "
@@ -423,7 +424,7 @@ def plot(results: dict[str, Any], out_dir: Path, panels=ROUND1_PANELS) -> list[P
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m train.study", description=__doc__.split("\n")[0]
+        prog="python -m train.study.round1", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="few presets, one seed, short runs")
     parser.add_argument("--size", choices=sorted(SIZES), help="run size (default: full, or quick)")

@@ -1,10 +1,10 @@
 """The credit study, round 2: warm-started policies, long turns where several tokens decide, and
 updates off the policy that sampled (reused batches, stale rollouts).
 
-    python -m train.study_round2                      # the whole round (resumable)
-    python -m train.study_round2 --quick              # one task, 3 variants x 2 regimes, short
-    python -m train.study_round2 --envs synthetic-calls --regimes reuse --variants mpo,grpo
-    python -m train.study_round2 --report-only        # aggregate what is there
+    python -m train.study.round2                      # the whole round (resumable)
+    python -m train.study.round2 --quick              # one task, 3 variants x 2 regimes, short
+    python -m train.study.round2 --envs synthetic-calls --regimes reuse --variants mpo,grpo
+    python -m train.study.round2 --report-only        # aggregate what is there
 
 For each task, one supervised warm start (``python -m train.sft`` on the task's scripted policy
 with ``--demo-noise``, so the policy succeeds only sometimes) into ``<runs>/<env>/warmstart``;
@@ -43,9 +43,17 @@ from typing import Any
 
 import numpy as np
 
-from train.metrics import read_metrics
-from train.study import _ci, _flags, compile_cache, finished_record, launch, plot, run_summary
-from train.study_stats import bootstrap_ci
+from train.core.metrics import read_metrics
+from train.study.round1 import (
+    _ci,
+    _flags,
+    compile_cache,
+    finished_record,
+    launch,
+    plot,
+    run_summary,
+)
+from train.study.stats import bootstrap_ci
 
 __all__ = ["VARIANTS", "REGIMES", "ENVS", "SIZES", "Cell", "ablations", "main"]
 
@@ -243,7 +251,7 @@ def cell_summary(run_dir: Path) -> dict[str, Any] | None:
 def summarise(root: Path, cells: list[Cell]) -> dict[str, Any]:
     """Per group (task/regime) and variant: each seed's summary, and mean and 95% bootstrap CI of
     each figure over seeds; curves' mean band."""
-    from train.study_stats import mean_band
+    from train.study.stats import mean_band
 
     by_key: dict[tuple[str, str], dict[int, dict]] = {}
     for cell in cells:
@@ -444,7 +452,7 @@ def _warm_start_figures(root: Path, envs) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m train.study_round2", description=__doc__.split("\n")[0]
+        prog="python -m train.study.round2", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--quick", action="store_true", help="one task, three variants, two regimes, short runs"
@@ -498,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     results = summarise(root, cells)
     diffs, auc_diffs = ablations(results), ablations(results, "heldout_auc")
     given = sys.argv[1:] if argv is None else argv
-    command = "python -m train.study_round2" + (" " + " ".join(given) if given else "")
+    command = "python -m train.study.round2" + (" " + " ".join(given) if given else "")
     meta = {
         "command": command,
         "size": size,

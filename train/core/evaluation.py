@@ -1,7 +1,7 @@
 """Held-out evaluation: one set of tasks played by the policy, scored the same way everywhere.
 
 The trainer's periodic evaluation and ``python -m train.evaluate`` both call :func:`evaluate_set`:
-``episodes`` tasks (seeded apart from training's, :data:`train.episodes.EVAL_TASK_OFFSET`) x
+``episodes`` tasks (seeded apart from training's, :data:`train.core.episodes.EVAL_TASK_OFFSET`) x
 ``k`` samples each, played by the KV-cache sampler through ``envs.rollout.collect``; the result
 is the success rate, unbiased pass@1 and pass@k (Chen et al. 2021), and the environment's own
 figures (exact match, F1, evidence recall, database match, questions passed) as means over the
@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from envs.rollout import EPISODE_FIGURES, collect
-from train.distributed import gather_array
-from train.episodes import EVAL_TASK_OFFSET, make_episodes
-from train.metrics import pass_at_k
+from train.core.distributed import gather_array
+from train.core.episodes import EVAL_TASK_OFFSET, make_episodes
+from train.core.metrics import pass_at_k
 
 __all__ = ["evaluate_set"]
 

@@ -1,6 +1,6 @@
 """Sharding as a table of rules: logical axis names on parameters -> axes of a device mesh.
 
-Every parameter of ``train.qwen3`` carries logical names (``vocab``, ``embed``, ``heads``,
+Every parameter of ``train.model.qwen3`` carries logical names (``vocab``, ``embed``, ``heads``,
 ``kv_heads``, ``mlp``, ``expert``); :data:`DEFAULT_RULES` maps them onto a mesh with axes
 (``data``, ``fsdp``, ``tensor``, ``expert``). Changing the parallelism layout is a change of the
 mesh shape or of the rules, not of the model code (MaxText's idea). A dimension that its mesh axes

@@ -5,8 +5,8 @@ sampling temperature (``old_logp``: the proximal policy of the update), the crit
 bootstrap values, the reference model's log-probs, and TRACE's answer log-probs at each tool-call
 boundary. Rows are sorted by length and scored ``rows`` at a time (the update's micro-batch), each
 group narrowed to :func:`mpo_jax.batch.padded_length` of its longest row and its log-probs and
-values computed at its action tokens alone (:class:`train.learner.ActionRows`): a batch of mostly
-short episodes runs short programs, no program holds more than one micro-batch's activations,
+values computed at its action tokens alone (:class:`train.core.learner.ActionRows`): a batch of
+mostly short episodes runs short programs, no program holds more than one micro-batch's activations,
 and the vocabulary-wide softmax never runs on prompts, observations or padding. The results come
 back as [B, T] arrays (zero off the action tokens), the layout credit assignment reads.
 """
@@ -20,13 +20,13 @@ import jax
 import numpy as np
 
 from mpo_jax.batch import TurnBatch, padded_length
-from train.learner import ActionRows, answer_logprobs, token_logprobs, values_and_bootstrap
+from train.core.learner import ActionRows, answer_logprobs, token_logprobs, values_and_bootstrap
 
 __all__ = ["Scorer"]
 
 
 def _logprobs_only(graphdef, params, tokens, positions, *, temperature: float):
-    """:func:`train.learner.token_logprobs` without the entropy, which scoring does not read
+    """:func:`train.core.learner.token_logprobs` without the entropy, which scoring does not read
     (returned, it would be computed: a second pass over every [token, vocabulary] logit)."""
     return token_logprobs(graphdef, params, tokens, positions, temperature=temperature)[0]
 
@@ -99,7 +99,7 @@ class Scorer:
 
     def answers(self, graphdef, params, tokens, prefix_lengths, answers, answer_lengths):
         """[N] TRACE's mean answer log-probs after each prefix (see
-        :func:`train.learner.answer_logprobs`), ``rows`` prefixes a call, each group narrowed
+        :func:`train.core.learner.answer_logprobs`), ``rows`` prefixes a call, each group narrowed
         to its longest prefix (the last group padded with copies of its first row)."""
         n = len(tokens)
         out = np.zeros(n, np.float32)

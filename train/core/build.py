@@ -1,7 +1,7 @@
 """What a run's models are and where their weights come from.
 
-One place turns a run's configuration (``train.config.TrainConfig``) into the chat codec, the
-model's :class:`~train.qwen3.ModelConfig` and initial weights, so that ``train.run``,
+One place turns a run's configuration (``train.core.config.TrainConfig``) into the chat codec, the
+model's :class:`~train.model.qwen3.ModelConfig` and initial weights, so that ``train.run``,
 ``train.export``, ``train.evaluate``, ``train.plan`` and ``train.sft`` agree on them:
 
 * **the source of the initial policy** (:func:`model_source`): ``--init-from`` (a Hugging Face
@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from train.config import TrainConfig, read_run_config
-from train.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
+from train.core.config import TrainConfig, read_run_config
+from train.model.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
 
 __all__ = [
     "ModelSource",
@@ -123,7 +123,7 @@ def model_config(cfg: TrainConfig, codec, source: ModelSource | None = None) -> 
         base = model_config(source.run, codec)
         return dataclasses.replace(base, **precision)
     if source.kind == "hf":
-        from train.weights import read_config
+        from train.model.weights import read_config
 
         return read_config(source.path, **precision)
     return ModelConfig(
@@ -151,7 +151,7 @@ def initial_actor(
     """The run's initial policy, read from its source (placed with ``shardings`` as read)."""
     source = model_source(cfg)
     if source.kind == "hf":
-        from train.weights import load_pretrained
+        from train.model.weights import load_pretrained
 
         kwargs = {} if log is None else {"log": log}
         return load_pretrained(
@@ -178,7 +178,7 @@ def run_config(run_dir: str | Path) -> TrainConfig:
 def restore_model(run_dir: str | Path, mc: ModelConfig, *, step=None, part: str = "actor"):
     """The ``part`` (``actor`` or ``critic``) of a run's checkpoint at ``step`` (default: the
     latest) as a model of config ``mc``, restored alone (no optimizer state is read)."""
-    from train.checkpoint import Checkpoints
+    from train.core.checkpoint import Checkpoints
 
     checkpoints = Checkpoints(Path(run_dir) / "checkpoints", create=False)
     steps = checkpoints.steps()
@@ -197,7 +197,7 @@ def initial_critic(cfg: TrainConfig, actor: Qwen3ForCausalLM) -> Qwen3ValueModel
     """The critic: ``--critic-from``'s trunk (and value head, for an exported critic), else a copy
     of the policy's trunk; a fresh value head at zero."""
     if cfg.critic_from:
-        from train.weights import load_pretrained
+        from train.model.weights import load_pretrained
 
         mc = actor.cfg
         return load_pretrained(

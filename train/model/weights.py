@@ -11,10 +11,10 @@ The name table is small: Hugging Face ``[out, in]`` linear weights become nnx ``
 (a transpose), per-expert MoE weights are stacked into ``[experts, ...]`` parameters. A tied
 checkpoint (``tie_word_embeddings: true``) may still ship ``lm_head.weight`` (the official
 Qwen3-0.6B, 1.7B and 4B do): it is checked against the embedding, tensor row block by row block,
-and must equal it within bfloat16 rounding; the embedding is used (and a checkpoint whose two
-differ is refused). A critic (:class:`train.qwen3.Qwen3ValueModel`) reads the same folders (its
-trunk; ``lm_head.weight`` is not part of it) plus ``value_head.weight``/``value_head.bias`` when
-an exported critic has them.
+and must equal it within bfloat16 rounding; the embedding is used (and a checkpoint whose two differ
+is refused). A critic (:class:`train.model.qwen3.Qwen3ValueModel`) reads the same folders (its
+trunk; ``lm_head.weight`` is not part of it) plus ``value_head.weight``/``value_head.bias`` when an
+exported critic has them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from train.qwen3 import ModelConfig, Qwen3ForCausalLM
+from train.model.qwen3 import ModelConfig, Qwen3ForCausalLM
 
 __all__ = [
     "load_pretrained",
@@ -70,7 +70,8 @@ def read_config(path: str | Path, **overrides) -> ModelConfig:
 
 
 def _segment(cfg: ModelConfig, layer: int, name: str) -> tuple[int, int]:
-    """(stack, entry) of a model layer: which :class:`train.qwen3.DecoderStack` holds it, where."""
+    """(stack, entry) of a model layer: which :class:`train.model.qwen3.DecoderStack` holds it,
+    and where."""
     for s, (first, count) in enumerate(cfg.layer_segments()):
         if first <= layer < first + count:
             return s, layer - first
@@ -217,9 +218,9 @@ def load_pretrained(
       path: folder with ``config.json`` and ``*.safetensors``.
       dtype: the activations' dtype; param_dtype: the parameters' dtype.
       shardings: optional ``{parameter path: jax.sharding.Sharding}`` (e.g.
-        ``train.sharding.param_shardings`` of the abstract model); each tensor is placed with
+        ``train.model.sharding.param_shardings`` of the abstract model); each tensor is placed with
         its sharding as it is read.
-      model_cls: :class:`Qwen3ForCausalLM` (default) or :class:`train.qwen3.Qwen3ValueModel`
+      model_cls: :class:`Qwen3ForCausalLM` (default) or :class:`train.model.qwen3.Qwen3ValueModel`
         (the trunk, plus a value head when the folder has one; else the head keeps its init).
       remat: the model's ``remat`` (what each layer keeps for the backward pass).
       log: where notes about the checkpoint go (default: stderr).
@@ -391,8 +392,8 @@ def save_pretrained(
     ``model.safetensors.index.json`` (as Hugging Face shards them).
 
     ``dtype`` (e.g. ``jnp.bfloat16``) converts the weights on the way out (default: as held).
-    A critic (:class:`train.qwen3.Qwen3ValueModel`) writes its trunk under the causal LM's names
-    and its head as ``value_head.weight``/``value_head.bias``.
+    A critic (:class:`train.model.qwen3.Qwen3ValueModel`) writes its trunk under the causal LM's
+    names and its head as ``value_head.weight``/``value_head.bias``.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

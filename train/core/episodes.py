@@ -2,7 +2,8 @@
 
 A step's ``prompts`` tasks are seeded ``offset + seed * 1_000_003 + step * prompts + p``, so a
 resumed run sees the same data as an uninterrupted one; each process builds its share of them
-(:func:`train.distributed.host_share`) with ``group`` rollouts each, and the group ids are global.
+(:func:`train.core.distributed.host_share`) with ``group`` rollouts each, and the group ids are
+global.
 
 Before a run starts, :func:`length_budget` sizes ``--max-len`` from the environment's longest
 episode and :func:`fit_tasks` checks every task of a split: its prompt plus one turn must fit.
@@ -15,7 +16,7 @@ from collections.abc import Callable
 import jax
 
 import envs
-from train.distributed import host_share
+from train.core.distributed import host_share
 
 __all__ = [
     "make_episodes",

@@ -268,7 +268,7 @@ class KVCache(NamedTuple):
         return 2 * per * jnp.dtype(cfg.dtype).itemsize
 
 
-BATCH_AXES = ("data", "fsdp")  # the mesh axes rows are split over (train.sharding's "batch")
+BATCH_AXES = ("data", "fsdp")  # the mesh axes rows are split over (train.model.sharding's "batch")
 
 
 def constrain_rows(x: jax.Array) -> jax.Array:
