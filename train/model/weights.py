@@ -348,7 +348,7 @@ def _hf_names(key: tuple, cfg: ModelConfig, shape) -> Iterator[tuple[tuple, str]
 _SAFETENSORS_DTYPES = {np.dtype(v): k for k, v in _NUMPY_DTYPES.items()}
 
 
-def _write_safetensors(file: Path, tensors: dict[str, np.ndarray]) -> None:
+def write_safetensors(file: Path, tensors: dict[str, np.ndarray]) -> None:
     """The safetensors layout, written directly (bfloat16 included)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -408,12 +408,12 @@ def save_pretrained(
         shards[-1][name] = np.ascontiguousarray(value)
         size += value.nbytes
     if len(shards) == 1:
-        _write_safetensors(path / "model.safetensors", shards[0])
+        write_safetensors(path / "model.safetensors", shards[0])
     else:
         weight_map, total = {}, 0
         for i, shard in enumerate(shards):
             file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_safetensors(path / file, shard)
+            write_safetensors(path / file, shard)
             weight_map.update({name: file for name in shard})
             total += sum(x.nbytes for x in shard.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
