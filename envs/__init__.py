@@ -4,7 +4,8 @@ import envs
 envs.list_envs()                      # every registered environment
 env = envs.make("synthetic-nav", seed=0)
 
-The real-data environments (search, bfcl, tau2-*) are registered lazily: their modules, and the
+The real-data environments (search, bfcl, tau2-*) and TextArena's games (textarena and its
+short names) are registered lazily: their modules, and the
 data packages they read, load on the first ``make``.
 """
 
@@ -28,3 +29,11 @@ register("search", _lazy("envs.search.env", "SearchEnv"))
 register("bfcl", _lazy("envs.bfcl", "BFCLEnv"))
 register("tau2-retail", _lazy("envs.tau2", "Tau2Env", domain="retail"))
 register("tau2-airline", _lazy("envs.tau2", "Tau2Env", domain="airline"))
+register("textarena", _lazy("envs.textarena", "TextArenaEnv"))
+for _short, _game in {
+    "guess-the-number": "GuessTheNumber-v0",
+    "frozen-lake": "FrozenLake-v0",
+    "mastermind": "Mastermind-v0",
+    "secretary": "Secretary-v0",
+}.items():
+    register(_short, _lazy("envs.textarena", "TextArenaEnv", game=_game))

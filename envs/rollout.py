@@ -96,6 +96,9 @@ EPISODE_FIGURES = (
     "tool_calls",
     "tool_errors",
     "db_match",
+    "format_error_rate",
+    "partial_credit",
+    "invalid_move",
 )
 # ... and everything it may add (the reasons an episode failed or broke, as text).
 EPISODE_INFO = (*EPISODE_FIGURES, "failure", "env_exception")
