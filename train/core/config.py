@@ -68,6 +68,7 @@ class TrainConfig:
     init_from: str | None = None
     tokenizer_path: str | None = None
     enable_thinking: bool = False
+    tool_fallback: str = "system"
     critic_from: str | None = None
     # The tiny random model (ignored with --model-path)
     layers: int = 2
@@ -164,6 +165,7 @@ class TrainConfig:
             ("opt_dtype", DTYPES),
             ("compute_dtype", (*DTYPES, "auto")),
             ("remat", REMAT),
+            ("tool_fallback", ("system", "refuse")),
             ("is_level", ("none", "token", "turn", "sequence")),
             ("is_reduce", ("sum", "mean")),
         ):
@@ -240,6 +242,9 @@ HELP: dict[str, str] = {
     "checkpoint's own, or the bundled Qwen3 one without a checkpoint)",
     "enable_thinking": "passed to the chat template (a hybrid Qwen3 template adds an empty "
     "<think></think> to generation prompts when off)",
+    "tool_fallback": "a chat template that renders no tools (SmolLM2's): 'system' puts the tool "
+    "schemas and the <tool_call> format into the system message (said at start-up), 'refuse' "
+    "stops a run whose environment has tools",
     "critic_from": "initialise the critic's trunk from this Hugging Face folder (default: a copy "
     "of the policy's)",
     "param_dtype": f"parameters (master weights) dtype, one of {DTYPES}",
