@@ -1,8 +1,10 @@
 """Qwen3 forward and forward+backward throughput: our flax.nnx model against transformers' PyTorch.
 
     python benchmarks/model.py [--layers 4 --width 256 --vocab 151936 --batch 8 --seq 512]
+    python benchmarks/model.py --model-path models/smollm2-135m-instruct --batch 2 --seq 512
 
-Both sides run the same random checkpoint (written by transformers, read by our loader) in
+Both sides run the same checkpoint (a random Qwen3 written by transformers, or ``--model-path``:
+any folder both load, e.g. the converted SmolLM2) in
 float32 on the CPU, each side in a process of its own; forward+backward is the mean next-token
 cross-entropy and its gradient with respect to every parameter. The table prints tokens/s
 (median of ``--reps``) and our speed-up; the logits of both sides are checked equal first.
@@ -95,18 +97,23 @@ def _config(args) -> transformers.Qwen3Config:
 
 
 def _ids(args) -> np.ndarray:
-    return np.random.default_rng(0).integers(0, args.vocab, size=(args.batch, args.seq))
+    vocab = args.vocab
+    if args.model_path:
+        vocab = json.loads(open(f"{args.model_path}/config.json").read())["vocab_size"]
+    return np.random.default_rng(0).integers(0, vocab, size=(args.batch, args.seq))
 
 
 def _side(args) -> None:
     """One side's timings, printed as JSON (run in its own process by :func:`main`)."""
     ids_np = _ids(args)
     if args.side == "torch":
-        torch_model = transformers.Qwen3ForCausalLM.from_pretrained(args.checkpoint).eval()
+        torch_model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.checkpoint, dtype=torch.float32
+        ).eval()
         times = time_torch(torch_model, torch.tensor(ids_np), args.reps)
     else:
         ref = np.load(f"{args.checkpoint}/ref_logits.npy")
-        model = load_pretrained(args.checkpoint)
+        model = load_pretrained(args.checkpoint, dtype=jnp.float32)
         times = time_ours(model, jnp.asarray(ids_np, jnp.int32), ref, args.reps)
     print(json.dumps({"times": list(times), "threads": torch.get_num_threads()}))
 
@@ -121,6 +128,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--model-path", help="a Hugging Face folder instead of a random Qwen3")
     p.add_argument("--side", choices=("torch", "ours"), help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -128,7 +136,12 @@ def main() -> None:
         return _side(args)
 
     torch.manual_seed(0)
-    torch_model = transformers.Qwen3ForCausalLM(_config(args)).eval()
+    if args.model_path:
+        torch_model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.model_path, dtype=torch.float32
+        ).eval()
+    else:
+        torch_model = transformers.Qwen3ForCausalLM(_config(args)).eval()
     with tempfile.TemporaryDirectory() as tmp:
         torch_model.save_pretrained(tmp)
         with torch.no_grad():
@@ -147,8 +160,9 @@ def main() -> None:
     t_tfwd, t_tfb = results["torch"]["times"]
 
     tokens = args.batch * args.seq
+    what = args.model_path or f"Qwen3 {args.layers} layers, width {args.width}, vocab {args.vocab}"
     print(
-        f"Qwen3 {args.layers} layers, width {args.width}, vocab {args.vocab}, "
+        f"{what}, "
         f"batch {args.batch} x {args.seq}, float32, CPU, {results['torch']['threads']} torch "
         f"threads, jax {jax.__version__}, torch {torch.__version__}; median of {args.reps}, "
         "each side in its own process"

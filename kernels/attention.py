@@ -35,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["attention", "reference_attention", "IMPLEMENTATIONS"]
+__all__ = ["attention", "reference_attention", "default_block", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("chunked", "cudnn", "reference")
 _NEG = -jnp.inf
@@ -262,6 +262,19 @@ def _chunked_bwd(scale, bq, bk, residuals, g):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
+def default_block() -> int:
+    """The chunked kernel's block size on this backend: 128 on the CPU, 512 elsewhere.
+
+    On the CPU the work that is not a matrix product (masking, the exponentials, the transposes
+    between the two products) is memory-bound, and a [128, 128] block per head stays in cache:
+    measured on one SmolLM2-135M layer (9 heads of 64, two threads) at 2 x 512 tokens, the
+    one-block reference took 82 ms forward and 277 ms forward+backward, 128-blocks 52 and 215
+    (the whole model's forward+backward with chunked log-probs: 96 -> 115-121 tokens/s); at
+    1 x 1,024 tokens the reference took 161/621 ms, 128-blocks 68/262, 256-blocks 61/246. On GPU
+    and TPU the blocks feed matrix units, where larger ones pay."""
+    return 128 if jax.default_backend() == "cpu" else 512
+
+
 def _block(n: int, block: int) -> int:
     """The block size for a sequence of n: ``block``, or n itself (rounded up to 8) when shorter."""
     return block if n > block else max(8, -(-n // 8) * 8)
@@ -278,8 +291,8 @@ def attention(
     *,
     scale: float | None = None,
     implementation: str | None = None,
-    block_q: int = 512,
-    block_k: int = 512,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Masked-by-position attention (see the module docstring).
 
@@ -290,12 +303,15 @@ def attention(
         none). All four None means a full causal sequence (cuDNN applies).
       scale: the score scale (default 1/sqrt(D)).
       implementation: one of :data:`IMPLEMENTATIONS`, or None (see the module docstring).
-      block_q, block_k: the chunked kernel's block sizes.
+      block_q, block_k: the chunked kernel's block sizes (default :func:`default_block`: 128
+        on the CPU, 512 elsewhere).
 
     Returns:
       [B, Tq, Hq, D] in q's dtype; zero for a query that sees no key.
     """
     _check(q, k, v)
+    block_q = default_block() if block_q is None else block_q
+    block_k = default_block() if block_k is None else block_k
     full_causal = q_positions is None and k_positions is None and k_valid is None
     full_causal = full_causal and q_lower is None
     if implementation is None:

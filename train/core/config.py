@@ -108,6 +108,7 @@ class TrainConfig:
     epochs: int = 1
     minibatches: int = 2
     micro_batches: int = 1
+    micro_batch_tokens: int = 0
     # Evaluation, checkpoints, logging
     eval_every: int = 100
     eval_episodes: int = 64
@@ -197,6 +198,13 @@ class TrainConfig:
             raise ValueError(f"is_cap: must be > 0, got {self.is_cap}")
         if self.is_mask and self.is_mask <= 1:
             raise ValueError(f"is_mask: must be 0 (off) or > 1, got {self.is_mask}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens: must be >= 0, got {self.micro_batch_tokens}")
+        if self.micro_batch_tokens and self.micro_batches != 1:
+            raise ValueError(
+                "micro_batch_tokens: sizes micro-batches by tokens; leave --micro-batches at 1 "
+                f"(got {self.micro_batches})"
+            )
         rollouts = self.prompts_per_step * self.group_size
         if rollouts % (self.minibatches * self.micro_batches):
             raise ValueError(
@@ -293,6 +301,8 @@ HELP: dict[str, str] = {
     "epochs": "passes over a step's rollouts",
     "minibatches": "optimizer updates per epoch",
     "micro_batches": "gradient-accumulation parts of a minibatch",
+    "micro_batch_tokens": "instead of --micro-batches: micro-batches (of the update and of "
+    "scoring) of at most this many padded tokens, rows of similar length together (0: off)",
     "eval_every": "evaluate every N steps and at the end (0: never; may change on --resume)",
     "eval_episodes": "held-out tasks an evaluation",
     "eval_k": "samples per evaluation task (pass@k)",

@@ -41,6 +41,7 @@ __all__ = [
     "UpdateFns",
     "loss_fields",
     "split_micro",
+    "token_budget_groups",
 ]
 
 
@@ -130,6 +131,24 @@ class ActionRows:
             turn_ids=turn_ids.astype(np.int32),
             **fields,
         )
+
+    def pad_rows(self, rows: int) -> ActionRows:
+        """These rows followed by empty ones (no action token: they add nothing to any loss or
+        count) up to ``rows``, so that micro-batches of one width share one compiled shape."""
+        extra = rows - len(self.tokens)
+        if extra <= 0:
+            return self
+        fills = {"loss_mask": False, "turn_ids": -1, **FIELD_FILL}
+        out = {}
+        for f in dataclasses.fields(self):
+            x = getattr(self, f.name)
+            if x is None:
+                out[f.name] = None
+                continue
+            x = np.asarray(x)
+            pad = np.full((extra, *x.shape[1:]), fills.get(f.name, 0), x.dtype)
+            out[f.name] = np.concatenate([x, pad])
+        return ActionRows(**out)
 
     def scatter(self, values, shape) -> np.ndarray:
         """[B, A] values back to their [B, T] columns (zeros elsewhere), on the host."""
@@ -332,9 +351,44 @@ def loss_fields(algo: Algorithm, *, behaviour: bool = False) -> tuple[str, ...]:
     return tuple(names)
 
 
-def split_micro(batch: TurnBatch, parts: int, names=()):
-    """Splits the rows of a minibatch into ``parts`` micro-batches as :class:`ActionRows`: tokens
-    narrowed to the padded length of the micro-batch's longest row (what a loss reads ends at a
-    row's last action token), the ``names`` fields compacted to its action tokens."""
+def token_budget_groups(
+    lengths: np.ndarray, max_tokens: int, *, multiple: int = 1
+) -> list[tuple[np.ndarray, int]]:
+    """Rows in micro-batches of at most ``max_tokens`` padded tokens: (row indices, rows to pad
+    to) of each.
+
+    Rows are taken longest first; a micro-batch is as wide as :func:`mpo_jax.batch.padded_length`
+    of its first (longest) row, W, and holds up to ``max(1, max_tokens // W)`` rows (rounded
+    down to a multiple of ``multiple``, the data-parallel ways, but never below it). Its row
+    count is padded up to a power of two (then to a multiple of ``multiple``), never past that
+    cap, so that a run compiles a few shapes per width rather than one per row count. A row
+    longer than the budget gets a micro-batch of its own (``multiple`` rows)."""
+    lengths = np.asarray(lengths)
+    order = np.argsort(-lengths, kind="stable")
+    out = []
+    i = 0
+    while i < len(order):
+        width = padded_length(int(max(lengths[order[i]], 1)))
+        cap = max(multiple, (max(1, max_tokens // width) // multiple) * multiple)
+        rows = order[i : i + cap]
+        padded = 1 << (len(rows) - 1).bit_length()
+        padded = min(-(-padded // multiple) * multiple, cap)
+        out.append((rows, max(padded, len(rows))))
+        i += len(rows)
+    return out
+
+
+def split_micro(batch: TurnBatch, parts: int, names=(), *, max_tokens: int = 0, multiple: int = 1):
+    """Splits the rows of a minibatch into micro-batches as :class:`ActionRows`: tokens narrowed
+    to the padded length of the micro-batch's longest row (what a loss reads ends at a row's last
+    action token), the ``names`` fields compacted to its action tokens. ``parts`` micro-batches of
+    equal row counts, or with ``max_tokens`` the groups of :func:`token_budget_groups` (rows of
+    similar length together, each micro-batch at most that many padded tokens). The losses are
+    sums over micro-batches (normalised by the whole minibatch), so the update is the same
+    whichever split is used."""
+    if max_tokens:
+        for rows, padded in token_budget_groups(batch.row_lengths(), max_tokens, multiple=multiple):
+            yield ActionRows.of(batch.take_rows(rows), names).pad_rows(padded)
+        return
     for chunk in np.array_split(np.arange(len(batch.tokens)), parts):
         yield ActionRows.of(batch.take_rows(chunk), names)

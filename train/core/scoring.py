@@ -3,7 +3,8 @@
 What the learner needs beside the rollout: the actor's log-probs of the sampled tokens at the
 sampling temperature (``old_logp``: the proximal policy of the update), the critic's values and
 bootstrap values, the reference model's log-probs, and TRACE's answer log-probs at each tool-call
-boundary. Rows are sorted by length and scored ``rows`` at a time (the update's micro-batch), each
+boundary. Rows are sorted by length and scored ``rows`` at a time (the update's micro-batch), or in
+groups of at most ``max_tokens`` padded tokens (``--micro-batch-tokens``), each
 group narrowed to :func:`mpo_jax.batch.padded_length` of its longest row and its log-probs and
 values computed at its action tokens alone (:class:`train.core.learner.ActionRows`): a batch of
 mostly short episodes runs short programs, no program holds more than one micro-batch's activations,
@@ -20,7 +21,13 @@ import jax
 import numpy as np
 
 from mpo_jax.batch import TurnBatch, padded_length
-from train.core.learner import ActionRows, answer_logprobs, token_logprobs, values_and_bootstrap
+from train.core.learner import (
+    ActionRows,
+    answer_logprobs,
+    token_budget_groups,
+    token_logprobs,
+    values_and_bootstrap,
+)
 
 __all__ = ["Scorer"]
 
@@ -31,20 +38,30 @@ def _logprobs_only(graphdef, params, tokens, positions, *, temperature: float):
     return token_logprobs(graphdef, params, tokens, positions, temperature=temperature)[0]
 
 
+def _pad(x: np.ndarray, n: int) -> np.ndarray:
+    """``x`` with zeros appended up to ``n`` entries (a group's padded rows)."""
+    return np.concatenate([x, np.zeros(n - len(x), x.dtype)]) if n > len(x) else x
+
+
 class Scorer:
-    """Args: rows (a group's rows: the micro-batch), temperature (of the sampler), put (a host
-    array -> a jit input, sharded where a mesh is set), to_host (a device array -> NumPy)."""
+    """Args: rows (a group's rows: the micro-batch), max_tokens (instead: groups of at most this
+    many padded tokens, :func:`train.core.learner.token_budget_groups`; ``multiple`` rows a
+    group's row count divides by), temperature (of the sampler), put (a host array -> a jit
+    input, sharded where a mesh is set), to_host (a device array -> NumPy)."""
 
     def __init__(
         self,
         *,
         rows: int,
         temperature: float,
+        max_tokens: int = 0,
+        multiple: int = 1,
         put: Callable = np.asarray,
         to_host: Callable = np.asarray,
         device=None,
     ):
         self.rows, self.temperature = rows, temperature
+        self.max_tokens, self.multiple = max_tokens, multiple
         self.put, self.to_host = put, to_host
         # held around each group's program (a lock shared with a rollout worker, if any)
         self.device = device if device is not None else contextlib.nullcontext()
@@ -54,7 +71,15 @@ class Scorer:
 
     def groups(self, batch: TurnBatch) -> list[tuple[np.ndarray, ActionRows]]:
         """(row indices, their :class:`ActionRows`) of each group: rows sorted by length,
-        ``rows`` a group."""
+        ``rows`` a group (or ``max_tokens`` padded tokens a group)."""
+        if self.max_tokens:
+            groups = token_budget_groups(
+                batch.row_lengths(), self.max_tokens, multiple=self.multiple
+            )
+            return [
+                (rows, ActionRows.of(batch.take_rows(rows)).pad_rows(padded))
+                for rows, padded in groups
+            ]
         order = np.argsort(batch.row_lengths(), kind="stable")
         out = []
         for lo in range(0, len(order), self.rows):
@@ -90,11 +115,11 @@ class Scorer:
                     params,
                     self.put(act.tokens),
                     self.put(act.positions),
-                    self.put(lengths[rows].astype(np.int32)),
+                    self.put(_pad(lengths[rows].astype(np.int32), len(act.tokens))),
                 )
                 v, b = self.to_host(v), self.to_host(b)
             values[rows] = act.scatter(v, (len(rows), shape[1]))
-            boot[rows] = b
+            boot[rows] = b[: len(rows)]
         return values, boot
 
     def answers(self, graphdef, params, tokens, prefix_lengths, answers, answer_lengths):

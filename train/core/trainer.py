@@ -183,7 +183,12 @@ class Trainer:
         self.device = contextlib.nullcontext()
         self.behaviour = cfg.max_staleness > 0 and cfg.is_level != "none"
         self.scorer = Scorer(
-            rows=cfg.micro_rows, temperature=cfg.temperature, put=self._put, to_host=to_host
+            rows=cfg.micro_rows,
+            max_tokens=cfg.micro_batch_tokens,
+            multiple=batch_ways(self.mesh) if self.mesh else 1,
+            temperature=cfg.temperature,
+            put=self._put,
+            to_host=to_host,
         )
         self._probe_algos = [algorithms.get(n) for n in CREDIT_PROBES]
         self._credit = jax.jit(
@@ -442,7 +447,13 @@ class Trainer:
         out = {"updates": 1.0, "skipped_updates": 0.0}
         for which, grad_fn, extra in jobs:
             grads, loss = None, 0.0
-            for micro in split_micro(mb, parts, loss_fields(algo, behaviour=self.behaviour)):
+            for micro in split_micro(
+                mb,
+                parts,
+                loss_fields(algo, behaviour=self.behaviour),
+                max_tokens=self.cfg.micro_batch_tokens,
+                multiple=batch_ways(self.mesh) if self.mesh else 1,
+            ):
                 n_tok = float(micro.loss_mask.sum())
                 n_turns = float(num_turns(micro.loss_mask, micro.turn_ids).sum())
                 if self.micro_sharding is not None:
