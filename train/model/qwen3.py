@@ -285,13 +285,15 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, jax.P(BATCH_AXES))
 
 
-def _write_rows(cache: jax.Array, new: jax.Array, offsets: jax.Array) -> jax.Array:
-    """Writes new [B, L, ...] into cache [B, S, ...] at slots offsets[b] + 0..L-1 of each row;
-    slots past the end are dropped (so a cache needs no room for a padded write past its end)."""
+def _write_rows(cache: jax.Array, new: jax.Array, offsets: jax.Array, layer) -> jax.Array:
+    """Writes new [B, L, ...] into entry ``layer`` of cache [layers, B, S, ...] at slots
+    offsets[b] + 0..L-1 of each row; slots past the end are dropped (so a cache needs no room for
+    a padded write past its end). Only those slots are written (a scatter into the stack), never
+    a whole layer's cache sliced out and back."""
     b, length = new.shape[:2]
     rows = jnp.arange(b)[:, None]
     slots = offsets[:, None] + jnp.arange(length)[None]
-    return cache.at[rows, slots].set(new.astype(cache.dtype), mode="drop")
+    return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
 
 
 class Attention(nnx.Module):
@@ -444,14 +446,17 @@ class DecoderLayer(nnx.Module):
         x = constrain_rows(x + self.self_attn(self.input_layernorm(x), positions, causal=causal))
         return constrain_rows(x + self.mlp(self.post_attention_layernorm(x)))
 
-    def extend(self, x, positions, causal, cache_k, cache_v, offsets):
-        """Like __call__ for new tokens x [B, L, D]: their keys/values are written into the
-        layer's cache at each row's offset, and they attend over the whole cache."""
+    def extend(self, x, positions, causal, cache_k, cache_v, offsets, layer):
+        """Like __call__ for new tokens x [B, L, D]: their keys/values are written into entry
+        ``layer`` of the model's stacked cache [layers, B, S, Hkv, D] at each row's offset (only
+        the new slots are written: the stack is updated in place), and they attend over that
+        layer's whole cache."""
         h = self.input_layernorm(x)
         k_new, v_new = self.self_attn.project_kv(h, positions)
-        cache_k = _write_rows(cache_k, k_new, offsets)
-        cache_v = _write_rows(cache_v, v_new, offsets)
-        x = x + self.self_attn(h, positions, causal=causal, kv=(cache_k, cache_v))
+        cache_k = _write_rows(cache_k, k_new, offsets, layer)
+        cache_v = _write_rows(cache_v, v_new, offsets, layer)
+        kv = (cache_k[layer], cache_v[layer])
+        x = x + self.self_attn(h, positions, causal=causal, kv=kv)
         return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
 
 
@@ -504,9 +509,7 @@ class DecoderStack(nnx.Module):
             x, k, v = carry
             layer_state, index = xs
             layer = nnx.merge(graphdef, layer_state)
-            x, k_l, v_l = layer.extend(x, positions, causal, k[index], v[index], offsets)
-            k = jax.lax.dynamic_update_index_in_dim(k, k_l, index, 0)
-            v = jax.lax.dynamic_update_index_in_dim(v, v_l, index, 0)
+            x, k, v = layer.extend(x, positions, causal, k, v, offsets, index)
             return (x, k, v), None
 
         layers = jnp.arange(self.first, self.first + self.count)
