@@ -14,6 +14,7 @@ import importlib
 from envs import calls, synthetic  # noqa: F401  (registers the synthetic tasks)
 from envs.base import Env, Observation, StepResult
 from envs.registry import list_envs, make, register
+from envs.textarena import SHORT_NAMES  # the table only: textarena itself loads on make
 
 __all__ = ["Env", "Observation", "StepResult", "list_envs", "make", "register"]
 
@@ -30,10 +31,5 @@ register("bfcl", _lazy("envs.bfcl", "BFCLEnv"))
 register("tau2-retail", _lazy("envs.tau2", "Tau2Env", domain="retail"))
 register("tau2-airline", _lazy("envs.tau2", "Tau2Env", domain="airline"))
 register("textarena", _lazy("envs.textarena", "TextArenaEnv"))
-for _short, _game in {
-    "guess-the-number": "GuessTheNumber-v0",
-    "frozen-lake": "FrozenLake-v0",
-    "mastermind": "Mastermind-v0",
-    "secretary": "Secretary-v0",
-}.items():
+for _short, _game in SHORT_NAMES.items():
     register(_short, _lazy("envs.textarena", "TextArenaEnv", game=_game))

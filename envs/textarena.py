@@ -181,7 +181,6 @@ class TextArenaEnv(Env):
             raise ValueError(f"game_options: {game} takes {sorted(accepted)}; unknown: {unknown}")
         self._options = {**spec.kwargs, **game_options}
         self._make = lambda: cls(**self._options)
-        self._seed = seed
         self._draws = random.Random(f"{game}:{seed}")
         self._random = random.Random(0).getstate()
         self._game = None
@@ -190,7 +189,9 @@ class TextArenaEnv(Env):
         except AssertionError as e:
             raise ValueError(f"game: {game} is not a single-player game ({e})") from e
         game_turns = getattr(getattr(probe, "state", None), "max_turns", None)
-        self.max_turns = int(max_turns or (2 * game_turns if game_turns else 40))
+        if max_turns is None:
+            max_turns = 2 * game_turns if game_turns else 40
+        self.max_turns = int(max_turns)
         if self.max_turns < 1:
             raise ValueError(f"max_turns: must be >= 1, got {self.max_turns}")
         self._key: str | None = None
@@ -214,8 +215,9 @@ class TextArenaEnv(Env):
         game.reset(num_players=1, seed=None)  # seed=None: TextArena would reseed global random
         return game
 
-    def _instance_key(self) -> str:
-        return _json_key(self._game.state.game_state)
+    def _state_json(self) -> str:
+        """The game's state now as canonical JSON (at reset: the instance's key)."""
+        return _json_key(self._game.state.game_state) if self._game else ""
 
     # -- the Env contract --------------------------------------------------------------------
     @property
@@ -225,12 +227,12 @@ class TextArenaEnv(Env):
     @property
     def state_key(self) -> str:
         """GiGPO's key: the game's state now (the hint history, the board)."""
-        return f"{self._key}|{_json_key(self._game.state.game_state) if self._game else ''}"
+        return f"{self._key}|{self._state_json()}"
 
     def reset(self) -> list[dict]:
         for _ in range(_MAX_DRAWS):
             self._game = self._call(self._new_game, self._draws.getrandbits(64))
-            key = self._instance_key()
+            key = self._state_json()
             if self.split == "all" or instance_split(self.game_id, key) == self.split:
                 break
         else:

@@ -147,6 +147,8 @@ def test_unknown_game_options_and_splits_are_named():
         envs.make("guess-the-number", size=3)
     with pytest.raises(ValueError, match="split: must be"):
         envs.make("guess-the-number", split="dev")
+    with pytest.raises(ValueError, match="max_turns: must be >= 1, got 0"):
+        envs.make("guess-the-number", max_turns=0)
 
 
 def test_the_refusal_table_covers_every_game_that_reaches_for_the_network():

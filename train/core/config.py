@@ -23,6 +23,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from envs.chat import TOOL_FALLBACKS
+
 __all__ = [
     "TrainConfig",
     "TINY_DEFAULTS",
@@ -166,7 +168,7 @@ class TrainConfig:
             ("opt_dtype", DTYPES),
             ("compute_dtype", (*DTYPES, "auto")),
             ("remat", REMAT),
-            ("tool_fallback", ("system", "refuse")),
+            ("tool_fallback", TOOL_FALLBACKS),
             ("is_level", ("none", "token", "turn", "sequence")),
             ("is_reduce", ("sum", "mean")),
         ):

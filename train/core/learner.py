@@ -42,6 +42,7 @@ __all__ = [
     "loss_fields",
     "split_micro",
     "token_budget_groups",
+    "budget_micro_batches",
 ]
 
 
@@ -378,6 +379,18 @@ def token_budget_groups(
     return out
 
 
+def budget_micro_batches(
+    batch: TurnBatch, max_tokens: int, names=(), *, multiple: int = 1
+) -> list[tuple[np.ndarray, ActionRows]]:
+    """(row indices, their :class:`ActionRows` padded with empty rows) of each micro-batch of
+    :func:`token_budget_groups`: what the update and scoring share (``--micro-batch-tokens``)."""
+    groups = token_budget_groups(batch.row_lengths(), max_tokens, multiple=multiple)
+    return [
+        (rows, ActionRows.of(batch.take_rows(rows), names).pad_rows(padded))
+        for rows, padded in groups
+    ]
+
+
 def split_micro(batch: TurnBatch, parts: int, names=(), *, max_tokens: int = 0, multiple: int = 1):
     """Splits the rows of a minibatch into micro-batches as :class:`ActionRows`: tokens narrowed
     to the padded length of the micro-batch's longest row (what a loss reads ends at a row's last
@@ -387,8 +400,8 @@ def split_micro(batch: TurnBatch, parts: int, names=(), *, max_tokens: int = 0, 
     sums over micro-batches (normalised by the whole minibatch), so the update is the same
     whichever split is used."""
     if max_tokens:
-        for rows, padded in token_budget_groups(batch.row_lengths(), max_tokens, multiple=multiple):
-            yield ActionRows.of(batch.take_rows(rows), names).pad_rows(padded)
+        for _, micro in budget_micro_batches(batch, max_tokens, names, multiple=multiple):
+            yield micro
         return
     for chunk in np.array_split(np.arange(len(batch.tokens)), parts):
         yield ActionRows.of(batch.take_rows(chunk), names)

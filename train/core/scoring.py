@@ -24,7 +24,7 @@ from mpo_jax.batch import TurnBatch, padded_length
 from train.core.learner import (
     ActionRows,
     answer_logprobs,
-    token_budget_groups,
+    budget_micro_batches,
     token_logprobs,
     values_and_bootstrap,
 )
@@ -45,7 +45,7 @@ def _pad(x: np.ndarray, n: int) -> np.ndarray:
 
 class Scorer:
     """Args: rows (a group's rows: the micro-batch), max_tokens (instead: groups of at most this
-    many padded tokens, :func:`train.core.learner.token_budget_groups`; ``multiple`` rows a
+    many padded tokens, :func:`train.core.learner.budget_micro_batches`; ``multiple`` rows a
     group's row count divides by), temperature (of the sampler), put (a host array -> a jit
     input, sharded where a mesh is set), to_host (a device array -> NumPy)."""
 
@@ -73,13 +73,7 @@ class Scorer:
         """(row indices, their :class:`ActionRows`) of each group: rows sorted by length,
         ``rows`` a group (or ``max_tokens`` padded tokens a group)."""
         if self.max_tokens:
-            groups = token_budget_groups(
-                batch.row_lengths(), self.max_tokens, multiple=self.multiple
-            )
-            return [
-                (rows, ActionRows.of(batch.take_rows(rows)).pad_rows(padded))
-                for rows, padded in groups
-            ]
+            return budget_micro_batches(batch, self.max_tokens, multiple=self.multiple)
         order = np.argsort(batch.row_lengths(), kind="stable")
         out = []
         for lo in range(0, len(order), self.rows):

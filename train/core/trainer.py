@@ -138,7 +138,9 @@ class Trainer:
             data, fsdp, tensor = mesh_shape
             self.mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
             self.micro_sharding = batch_sharding(self.mesh)
-        check_mesh_fit(cfg, batch_ways(self.mesh) if self.mesh else 1, jax.process_count())
+        # a micro-batch's row count divides by this (the data-parallel ways of the mesh)
+        self.row_multiple = batch_ways(self.mesh) if self.mesh else 1
+        check_mesh_fit(cfg, self.row_multiple, jax.process_count())
         if defaulted and cfg.pretrained:
             chosen = " ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in defaulted)
             _say(f"defaults for a pretrained model: {chosen} (pass a flag to change one)")
@@ -185,7 +187,7 @@ class Trainer:
         self.scorer = Scorer(
             rows=cfg.micro_rows,
             max_tokens=cfg.micro_batch_tokens,
-            multiple=batch_ways(self.mesh) if self.mesh else 1,
+            multiple=self.row_multiple,
             temperature=cfg.temperature,
             put=self._put,
             to_host=to_host,
@@ -452,7 +454,7 @@ class Trainer:
                 parts,
                 loss_fields(algo, behaviour=self.behaviour),
                 max_tokens=self.cfg.micro_batch_tokens,
-                multiple=batch_ways(self.mesh) if self.mesh else 1,
+                multiple=self.row_multiple,
             ):
                 n_tok = float(micro.loss_mask.sum())
                 n_turns = float(num_turns(micro.loss_mask, micro.turn_ids).sum())

@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from train.model.weights import write_safetensors
@@ -60,7 +61,7 @@ _TOP_TENSORS = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 class GGUFError(ValueError):
@@ -201,7 +202,7 @@ def convert_gguf(path: str | Path, out: str | Path, *, dtype: str = "float32") -
     path, out = Path(path), Path(out)
     reader = _reader(path)
     config = _config(reader, path)
-    np_dtype = np.dtype(_DTYPES[dtype]) if dtype != "bfloat16" else _bfloat16()
+    np_dtype = np.dtype(_DTYPES[dtype])
     tensors = _tensors(reader, config, path, np_dtype)
     if tensors["model.embed_tokens.weight"].shape[0] != config["vocab_size"]:
         raise GGUFError(
@@ -216,12 +217,6 @@ def convert_gguf(path: str | Path, out: str | Path, *, dtype: str = "float32") -
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _write_tokenizer(path, out)
     return out
-
-
-def _bfloat16():
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
 
 
 def _write_tokenizer(path: Path, out: Path) -> None:
