@@ -32,6 +32,11 @@ __all__ = [
     "round_seed",
     "EPISODE_FIGURES",
     "EPISODE_INFO",
+    "Episode",
+    "record_turn",
+    "record_result",
+    "record_failure",
+    "to_batch",
 ]
 
 
@@ -130,10 +135,15 @@ class Rollouts:
     episodes: list[dict[str, Any]]
     seconds: float
     turn_quality: np.ndarray | None = None
+    token_versions: np.ndarray | None = None  # [B, T]: the policy version of each sampled token
+    stats: Any = None  # what the rollout engine measured (train.engine.continuous.EngineStats)
 
 
 @dataclasses.dataclass
-class _Episode:
+class Episode:
+    """One episode's conversation as it grows: ids, action mask, turn ids, log-probs, rewards,
+    boundaries and the versions that sampled its tokens; and how it ended."""
+
     tokens: list[int]
     mask: list[bool]
     turn_ids: list[int]
@@ -152,9 +162,17 @@ class _Episode:
     errors: int = 0
     last_info: dict = dataclasses.field(default_factory=dict)
     quality: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # per token; -1: not sampled
 
-    def append(self, ids, *, action: bool, turn: int = -1, logp=None):
+    def append(self, ids, *, action: bool, turn: int = -1, logp=None, version=-1):
+        """``version``: the policy version of the sampled ids, one int or one per id."""
         self.tokens += list(ids)
+        if not action:
+            self.versions += [-1] * len(ids)
+        elif isinstance(version, int):
+            self.versions += [version] * len(ids)
+        else:
+            self.versions += list(version)
         self.mask += [action] * len(ids)
         self.turn_ids += [turn if action else -1] * len(ids)
         self.logp += list(logp) if logp is not None else [0.0] * len(ids)
@@ -206,7 +224,7 @@ def collect(
             raise ValueError(
                 f"max_len: {max_len} leaves no room for a turn after a {len(prompt)}-token prompt"
             )
-        ep = _Episode([], [], [], [], [], [len(prompt)])
+        ep = Episode([], [], [], [], [], [len(prompt)])
         ep.append(prompt, action=False)
         episodes.append(ep)
         prompts.append(prompt)
@@ -217,13 +235,14 @@ def collect(
         close = getattr(policy, "close", None)
         if close is not None:
             close()
-    return _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0)
+    return to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0)
 
 
 def _play(episodes, envs, codec, policy, max_len, max_new_tokens, temperature, seed) -> None:
     """Rounds of one batched policy call and one step of every live environment, to the end."""
     b = len(episodes)
     end_of_turn = list(getattr(codec, "end_of_turn", ()))
+    version = int(getattr(policy, "version", 0))
     round_ = 0
     while any(ep.active for ep in episodes):
         active = [ep.active for ep in episodes]
@@ -239,48 +258,70 @@ def _play(episodes, envs, codec, policy, max_len, max_new_tokens, temperature, s
         for i, (ep, env) in enumerate(zip(episodes, envs, strict=True)):
             if not active[i]:
                 continue
-            ids = gen.tokens[i]
-            if not ids:  # no room left in the cache
-                ep.active, ep.truncated, ep.length_cut = False, True, True
+            close = record_turn(ep, env, gen.tokens[i], gen.logprobs[i], end_of_turn, version)
+            if close is None:
                 continue
-            ep.keys.append(getattr(env, "state_key", ep.turns))
-            ep.append(ids, action=True, turn=ep.turns, logp=gen.logprobs[i])
-            close = []
-            if end_of_turn and list(ids[-len(end_of_turn) :]) != end_of_turn:
-                ep.cut_turns += 1
-                close = end_of_turn
             try:
-                result = env.step(codec.turn_text(ids))
+                result = env.step(codec.turn_text(gen.tokens[i]))
             except Exception as e:  # noqa: BLE001  (one broken environment never kills a run)
-                ep.turns += 1
-                ep.active, ep.truncated, ep.broken = False, True, True
-                ep.errors += 1
-                ep.last_info = {"env_exception": f"{type(e).__name__}: {e}"}
+                record_failure(ep, e)
                 continue
-            ep.turns += 1
-            ep.rewards[-1] += float(result.reward)  # on the turn's last token
-            ep.total_reward += float(result.reward)
-            ep.last_info = dict(result.info)
-            ep.quality.append(float(result.info.get("action_quality", np.nan)))
-            ep.success = bool(result.info.get("success", ep.success))
-            ep.errors += int(bool(result.info.get("error")))
-            if result.terminated or result.truncated:
-                ep.active = False
-                ep.truncated = bool(result.truncated and not result.terminated)
-                continue
-            obs = close + codec.observation(result.observation)
-            if len(ep.tokens) + len(obs) + max_new_tokens > max_len:
-                # the length budget: cut, not crash
-                ep.active, ep.truncated, ep.length_cut = False, True, True
-                continue
-            ep.append(obs, action=False)
-            ep.boundaries.append(len(ep.tokens))
-            extend[i] = obs
+            extend[i] = record_result(ep, result, close, codec, max_len, max_new_tokens)
         if any(e is not None for e in extend):
             policy.extend(extend)
 
 
-def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> Rollouts:
+def record_turn(ep, env, ids, logp, end_of_turn, version=0) -> list[int] | None:
+    """Books a sampled turn into ``ep``; returns the ids that close it (``end_of_turn`` if the
+    turn did not end with them, else none), or None when the turn is empty (no room left in the
+    cache: the episode is cut by length). ``version``: the policy version that sampled it (one
+    int, or one per id)."""
+    if not ids:
+        ep.active, ep.truncated, ep.length_cut = False, True, True
+        return None
+    ep.keys.append(getattr(env, "state_key", ep.turns))
+    ep.append(ids, action=True, turn=ep.turns, logp=logp, version=version)
+    if end_of_turn and list(ids[-len(end_of_turn) :]) != end_of_turn:
+        ep.cut_turns += 1
+        return list(end_of_turn)
+    return []
+
+
+def record_failure(ep, error: BaseException | str) -> None:
+    """The environment raised (or hung) on ``ep``'s turn: the episode ends, truncated and
+    broken, the reason in its ``env_exception``."""
+    ep.turns += 1
+    ep.active, ep.truncated, ep.broken = False, True, True
+    ep.errors += 1
+    reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    ep.last_info = {"env_exception": reason}
+
+
+def record_result(ep, result, close, codec, max_len, max_new_tokens) -> list[int] | None:
+    """Books the environment's answer to ``ep``'s turn; returns the ids to append to the
+    conversation (``close`` + the observation), or None when the episode ended (the environment
+    ended it, or the next turn would not fit in ``max_len``: cut, not crashed)."""
+    ep.turns += 1
+    ep.rewards[-1] += float(result.reward)  # on the turn's last token
+    ep.total_reward += float(result.reward)
+    ep.last_info = dict(result.info)
+    ep.quality.append(float(result.info.get("action_quality", np.nan)))
+    ep.success = bool(result.info.get("success", ep.success))
+    ep.errors += int(bool(result.info.get("error")))
+    if result.terminated or result.truncated:
+        ep.active = False
+        ep.truncated = bool(result.truncated and not result.terminated)
+        return None
+    obs = close + codec.observation(result.observation)
+    if len(ep.tokens) + len(obs) + max_new_tokens > max_len:
+        ep.active, ep.truncated, ep.length_cut = False, True, True
+        return None
+    ep.append(obs, action=False)
+    ep.boundaries.append(len(ep.tokens))
+    return obs
+
+
+def to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> Rollouts:
     b = len(episodes)
     width = padded_length(max(len(ep.tokens) for ep in episodes), cap=max_len)
     tokens = np.zeros((b, width), np.int32)
@@ -288,6 +329,7 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
     tid = np.full((b, width), -1, np.int32)
     logp = np.zeros((b, width), np.float32)
     rewards = np.zeros((b, width), np.float32)
+    versions = np.full((b, width), -1, np.int32)
     k = max_step_keys or max(1, max(ep.turns for ep in episodes))
     m = max(len(ep.boundaries) for ep in episodes)
     step_keys = np.full((b, k), -1, np.int32)
@@ -302,6 +344,7 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
         tid[i, :n] = ep.turn_ids
         logp[i, :n] = ep.logp
         rewards[i, :n] = ep.rewards
+        versions[i, :n] = ep.versions
         for j, key in enumerate(ep.keys[:k]):
             step_keys[i, j] = key_ids.setdefault(key, len(key_ids))
         # TRACE's boundaries: the prompt, then one after each turn that got an observation.
@@ -335,4 +378,12 @@ def _to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0) -> R
         for ep in episodes
     ]
     seconds = time.perf_counter() - t0
-    return Rollouts(batch, boundary_lengths, answers, info, seconds, turn_quality=quality)
+    return Rollouts(
+        batch,
+        boundary_lengths,
+        answers,
+        info,
+        seconds,
+        turn_quality=quality,
+        token_versions=versions,
+    )

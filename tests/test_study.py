@@ -203,3 +203,49 @@ def test_round2_variants_name_presets_and_fields_that_exist():
     paired = [v for _, v in r2.ABLATION_PAIRS + r2.COMPARISON_PAIRS]
     assert set(paired) <= set(r2.VARIANTS)
     assert {v for _, panel in r2.PANELS for v in panel} == set(r2.VARIANTS)
+
+
+def test_real_model_report_pools_the_start_and_summarises_seeds(tmp_path):
+    from train.study import real_model
+
+    p, lo, hi = real_model.wilson(2, 50)
+    assert p == 0.04 and 0.005 < lo < 0.04 < hi < 0.14  # Wilson: asymmetric, inside [0, 1]
+    assert real_model.wilson(0, 10)[1] == 0.0 and real_model.wilson(10, 10)[2] == 1.0
+    with pytest.raises(ValueError, match="n"):
+        real_model.wilson(0, 0)
+    game = real_model.MAIN_GAME
+    for seed, rate in zip(real_model.START_SEEDS, (0.04, 0.08, 0.0, 0.04), strict=True):
+        out = real_model.start_dir(tmp_path, game) / f"seed{seed}"
+        out.mkdir(parents=True)
+        metrics = {"eval_heldout_success_rate": rate, "eval_heldout_env_format_error_rate": 0.8}
+        (out / "metrics.json").write_text(json.dumps(metrics))
+    finals = {0: 0.5, 1: 0.75, 2: 0.25}
+    for seed, final in finals.items():
+        run = real_model.Cell(game, "grpo", seed).run_dir(tmp_path)
+        run.mkdir(parents=True)
+        rows = [
+            {"step": s, "success_rate": 0.1 * s, "env_format_error_rate": 1 / s, "rollout_s": 9}
+            for s in range(1, 11)
+        ]
+        rows[4]["eval_heldout_success_rate"] = final / 2
+        rows[9]["eval_heldout_success_rate"] = final
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "config.json").write_text(json.dumps({"eval_episodes": 16, "eval_k": 2}))
+        (run / "study.json").write_text(json.dumps({"wall_s": 600.0}))
+    unfinished = real_model.Cell(game, "mpo", 0).run_dir(tmp_path)  # no study.json: left out
+    unfinished.mkdir(parents=True)
+    (unfinished / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    results = real_model.summarise(tmp_path)
+    entry = results[game]
+    assert entry["start"]["success"] == pytest.approx(0.04) and entry["start"]["episodes"] == 200
+    assert list(entry["presets"]) == ["grpo"]
+    grpo = entry["presets"]["grpo"]
+    assert grpo["heldout_final"]["mean"] == pytest.approx(0.5) and grpo["heldout_final"]["n"] == 3
+    assert grpo["heldout_final"]["low"] <= 0.5 <= grpo["heldout_final"]["high"]
+    seed0 = grpo["seeds"][0]
+    assert seed0["heldout_curve"] == [[0, 5, 10], [pytest.approx(0.04), 0.25, 0.5]]
+    # trapezoids over [0, 10] of (0.04, 0.25, 0.5): (0.145 * 5 + 0.375 * 5) / 10
+    assert seed0["heldout_auc"] == pytest.approx(0.26)
+    assert seed0["rollout_s"] == 9 and seed0["format_error_curve"][1][0] == 1.0
+    text = real_model.markdown(results)
+    assert "| grpo | 3 | 50 [" in text and "200 held-out episodes" in text

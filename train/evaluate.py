@@ -59,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-dtype", default=None, help="float32, bfloat16 or auto")
     p.add_argument("--drop-long-tasks", action="store_true", help="drop tasks that cannot fit")
     p.add_argument("--seed", type=int, default=None, help="task and sampling seed")
+    p.add_argument("--engine", default=None, help="continuous or lockstep (default: the run's)")
+    p.add_argument("--slots", type=int, default=None, help="decode rows (0: one per episode)")
+    p.add_argument("--decode-chunk", type=int, default=None, help="decode steps a chunk")
+    p.add_argument("--env-workers", type=int, default=None, help="environment threads")
     p.add_argument("--out", help="where metrics.json and transcripts.jsonl go")
     return p
 
@@ -87,6 +91,10 @@ def _config(args) -> tuple[TrainConfig, int]:
         "enable_thinking": args.enable_thinking,
         "compute_dtype": args.compute_dtype,
         "seed": args.seed,
+        "engine": args.engine,
+        "slots": args.slots,
+        "decode_chunk": args.decode_chunk,
+        "env_workers": args.env_workers,
     }
     changes = {k: v for k, v in given.items() if v is not None}
     if sets:
@@ -137,6 +145,7 @@ def evaluate(args) -> tuple[dict, list[dict], Path]:
         temperature=cfg.temperature,
         key=sampling_key(cfg.seed, EVAL_STREAM, step * 2, 0),
         transcripts=True,
+        engine=cfg.engine_settings(),
     )
     source = args.run_dir or args.model_path
     default = (

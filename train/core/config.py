@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.chat import TOOL_FALLBACKS
+from train.engine.rollouts import EngineSettings
 
 __all__ = [
     "TrainConfig",
@@ -93,6 +94,12 @@ class TrainConfig:
     max_new_tokens: int = 0
     drop_long_tasks: bool = False
     temperature: float = 1.0
+    # The rollout engine (train.engine.rollouts)
+    engine: str = "continuous"
+    slots: int = 0
+    decode_chunk: int = 0
+    env_workers: int = 0
+    env_timeout: float = 0.0
     # Asynchronous rollouts and the off-policy correction
     max_staleness: int = 0
     is_level: str = "token"
@@ -214,9 +221,21 @@ class TrainConfig:
                 f"micro_batches = {self.minibatches * self.micro_batches}: change --minibatches, "
                 "--micro-batches, --prompts-per-step or --group-size"
             )
+        self.engine_settings()  # refuses bad engine settings, named
         shape = self.mesh_shape()
         if shape is not None and shape[0] != -1:
             check_mesh_fit(self, shape[0] * shape[1])
+
+    def engine_settings(self) -> EngineSettings:
+        """The rollout engine's settings (``--engine --slots --decode-chunk --env-workers
+        --env-timeout``)."""
+        return EngineSettings(
+            engine=self.engine,
+            slots=self.slots,
+            decode_chunk=self.decode_chunk,
+            env_workers=self.env_workers,
+            env_timeout=self.env_timeout,
+        )
 
 
 def check_mesh_fit(cfg: TrainConfig, batch_ways: int, processes: int = 1) -> None:
@@ -303,6 +322,18 @@ HELP: dict[str, str] = {
     "epochs": "passes over a step's rollouts",
     "minibatches": "optimizer updates per epoch",
     "micro_batches": "gradient-accumulation parts of a minibatch",
+    "engine": "how episodes are played: 'continuous' (slots, chunks of decode steps, "
+    "environments answered between chunks; its defaults reproduce lockstep rounds bit for bit) "
+    "or 'lockstep' (the reference loop: one generate call a round)",
+    "slots": "decode rows of the continuous engine (0: one per episode); fewer bound the KV "
+    "cache, and an episode waiting on its tool lends its slot to one waiting for a slot",
+    "decode_chunk": "decode steps between the continuous engine's host visits (0: a whole turn "
+    "budget); short chunks admit answered episodes sooner",
+    "env_workers": "threads stepping environments concurrently in the continuous engine (0: "
+    "inline, in slot order; > 0 overlaps tools with decoding but sampled runs are then not "
+    "bit-reproducible)",
+    "env_timeout": "seconds an environment may take to answer a turn before its episode ends "
+    "(truncated, env_exception says so); needs --env-workers; 0: no limit",
     "micro_batch_tokens": "instead of --micro-batches: micro-batches (of the update and of "
     "scoring) of at most this many padded tokens, rows of similar length together (0: off)",
     "eval_every": "evaluate every N steps and at the end (0: never; may change on --resume)",

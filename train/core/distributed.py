@@ -179,6 +179,9 @@ def gather_rollouts(rollouts):
         for row in table
     ]
     quality = _gather_width(np.asarray(rollouts.turn_quality, np.float32), np.nan)
+    versions = rollouts.token_versions
+    if versions is not None:  # padded like the batch's tokens (its width is the global one)
+        versions = _gather_width(np.asarray(versions, np.int32), -1)
     seconds = float(gather_array(np.array([rollouts.seconds])).max())
     batch = b.replace(**fields)
     return dataclasses.replace(
@@ -189,6 +192,8 @@ def gather_rollouts(rollouts):
         episodes=episodes,
         seconds=seconds,
         turn_quality=quality,
+        token_versions=versions,
+        stats=rollouts.stats,  # this host's engine figures
     )
 
 

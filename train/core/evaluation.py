@@ -2,7 +2,7 @@
 
 The trainer's periodic evaluation and ``python -m train.evaluate`` both call :func:`evaluate_set`:
 ``episodes`` tasks (seeded apart from training's, :data:`train.core.episodes.EVAL_TASK_OFFSET`) x
-``k`` samples each, played by the KV-cache sampler through ``envs.rollout.collect``; the result
+``k`` samples each, played on the run's rollout engine (``train.engine.rollouts.play``); the result
 is the success rate, unbiased pass@1 and pass@k (Chen et al. 2021), and the environment's own
 figures (exact match, F1, evidence recall, database match, questions passed) as means over the
 episodes that report them, each under ``eval_<name>_*``. With ``transcripts=True`` it also
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from envs.rollout import EPISODE_FIGURES, collect
+from envs.rollout import EPISODE_FIGURES
 from train.core.distributed import gather_array
 from train.core.episodes import EVAL_TASK_OFFSET, make_episodes
 from train.core.metrics import pass_at_k
+from train.engine.rollouts import EngineSettings, play
 
 __all__ = ["evaluate_set"]
 
@@ -36,15 +37,17 @@ def evaluate_set(
     temperature: float,
     key,
     transcripts: bool = False,
+    engine: EngineSettings | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """(metrics, transcripts) of one evaluation set (see the module docstring)."""
     batch_envs, groups = make_episodes(
         env, seed=seed, step=0, prompts=episodes, group=k, options=options, offset=EVAL_TASK_OFFSET
     )
-    out = collect(
+    out = play(
         batch_envs,
         codec,
         sampler,
+        engine,
         group_ids=groups,
         max_len=max_len,
         max_new_tokens=max_new_tokens,

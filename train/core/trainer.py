@@ -2,7 +2,7 @@
 
 The loop is :meth:`Trainer.step`, one call into a module with one job per phase:
 
-    rollouts = collect(envs, codec, sampler)     envs/rollout.py (host loop + KV-cache sampler)
+    rollouts = play(envs, codec, sampler)        train/engine/ (rollout engine, KV-cache sampler)
     batch    = score(rollouts)                   train/core/scoring.py (old/ref log-probs, values)
     credit   = compute_advantages(algo, batch)   mpo_jax/algorithms.py
     metrics  = update(batch, credit)             train/core/learner.py: epochs x minibatches x
@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 import envs
-from envs.rollout import EPISODE_FIGURES, collect
+from envs.rollout import EPISODE_FIGURES
 from mpo_jax import algorithms, diagnostics, losses
 from mpo_jax.batch import TurnBatch, num_turns, validate
 from train.core.build import compute_dtype as resolve_compute_dtype
@@ -63,6 +63,7 @@ from train.core.evaluation import evaluate_set
 from train.core.learner import Models, UpdateFns, loss_fields, make_optimizer, split_micro
 from train.core.metrics import PhaseTimer
 from train.core.scoring import Scorer
+from train.engine.rollouts import play
 from train.engine.sampler import Sampler
 from train.model.sharding import (
     batch_sharding,
@@ -292,10 +293,11 @@ class Trainer:
             options=self.env_options,
         )
         with self._on_mesh(sampling=True):
-            return collect(
+            return play(
                 batch_envs,
                 self.codec,
                 sampler,
+                cfg.engine_settings(),
                 group_ids=groups,
                 max_len=cfg.max_len,
                 max_new_tokens=self.max_new,
@@ -574,6 +576,7 @@ class Trainer:
                 max_new_tokens=self.max_new,
                 temperature=cfg.temperature,
                 key=sampling_key(cfg.seed, EVAL_STREAM, step * 2 + which, jax.process_index()),
+                engine=cfg.engine_settings(),
             )
         return metrics
 
@@ -627,4 +630,6 @@ def rollout_metrics(rollouts) -> dict[str, float]:
         values = [float(e[key]) for e in eps if key in e]
         if values:
             out[f"env_{key}"] = float(np.mean(values))
+    if rollouts.stats is not None:  # the continuous engine's slot utilisation and idle share
+        out.update(rollouts.stats.figures())
     return out

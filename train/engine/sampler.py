@@ -177,6 +177,7 @@ class Sampler:
         # train.core.async_rollouts)
         self.device = device if device is not None else contextlib.nullcontext()
         self.cache = None
+        self.version = 0  # the policy version of the weights (updates applied; see swap)
         self.lengths = np.zeros(batch_size or 0, np.int32)
         self.next_logits = None
 
@@ -244,6 +245,30 @@ class Sampler:
         """Releases the cache (a later :meth:`start` allocates a new one)."""
         self.cache = self.next_logits = None
 
+    def open(self, rows: int) -> None:
+        """Allocates an empty cache of ``rows`` rows (slots) without prefilling any: rows are
+        then filled with :meth:`reset` and :meth:`extend` one by one (the slot engine)."""
+        if self.cache is None or self.cache.k.shape[1] != rows:
+            self.cache = None
+            self.cache = empty_cache(self.cfg, rows, self.slots, self.mesh)
+        self.lengths = np.zeros(rows, np.int32)
+        self.next_logits = jnp.zeros((rows, self.cfg.vocab_size), jnp.float32)
+
+    def reset(self, rows: Sequence[int]) -> None:
+        """Empties ``rows`` (their length goes to 0: what the cache held there is never read
+        again, attention reads a row's first ``length`` slots only); fill them with
+        :meth:`extend`."""
+        if self.cache is None:
+            raise ValueError("reset: no live batch (call start or open first)")
+        self.lengths = self.lengths.copy()
+        self.lengths[np.asarray(rows, int)] = 0
+
+    def swap(self, state, version: int) -> None:
+        """New weights (an ``nnx.State`` of the same model), policy version ``version``, for
+        every later program call; the cache keeps what older weights wrote (the engine's weight
+        swap between chunks)."""
+        self.state, self.version = state, int(version)
+
     def generate(
         self,
         *,
@@ -254,11 +279,13 @@ class Sampler:
         stop_ids: Sequence[int] = (),
         seed: int = 0,
         active: Sequence[bool] | None = None,
+        budgets: Sequence[int] | None = None,
     ) -> Generation:
         """Samples up to ``max_new_tokens`` for every active row, continuing each conversation.
 
-        A row stops after a stop id (which is kept), at ``max_new_tokens``, or at capacity.
-        ``seed`` is an int or a JAX PRNG key.
+        A row stops after a stop id (which is kept), at ``max_new_tokens``, at its own budget
+        (``budgets[i]`` tokens, at most ``max_new_tokens``; 0: the row is inactive), or at
+        capacity. ``seed`` is an int or a JAX PRNG key.
         """
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
@@ -268,6 +295,10 @@ class Sampler:
             raise ValueError("generate: no live batch (call start first)")
         rows = len(self.lengths)
         act = np.ones(rows, bool) if active is None else np.asarray(active, bool)
+        budget = np.full(rows, max_new_tokens, np.int32)
+        if budgets is not None:
+            budget = np.minimum(budget, np.asarray(budgets, np.int32))
+            act = act & (budget > 0)
         with self.device:
             self.cache, lengths, self.next_logits, stopped, out, out_lp = _decode_jit(
                 self.graphdef,
@@ -277,6 +308,7 @@ class Sampler:
                 jnp.asarray(self.lengths),
                 self.next_logits,
                 jnp.asarray(act),
+                jnp.asarray(budget),
                 as_key(seed),
                 int(max_new_tokens),
                 float(temperature),
@@ -328,7 +360,7 @@ def _extend_jit(graphdef, state, cache, ids, offsets, n_new, old_logits):
     return logits, cache
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 8, 9, 10, 11, 12), donate_argnums=(3,))
+@functools.partial(jax.jit, static_argnums=(0, 1, 9, 10, 11, 12, 13), donate_argnums=(3,))
 def _decode_jit(
     graphdef,
     capacity,
@@ -337,6 +369,7 @@ def _decode_jit(
     lengths,
     logits,
     active,
+    budget,
     key,
     steps,
     temperature,
@@ -366,7 +399,7 @@ def _decode_jit(
         logits = jnp.where(live[:, None], new_logits, logits)
         lengths = lengths + n_new
         stopped = stopped | is_stop
-        done = done | is_stop | (lengths >= limit)
+        done = done | is_stop | (lengths >= limit) | (step + 1 >= budget)
         return step + 1, cache, lengths, logits, done, stopped, key, out, out_lp
 
     out = jnp.full((b, steps), -1, jnp.int32)

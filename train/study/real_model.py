@@ -1,0 +1,347 @@
+"""A real model learns: SmolLM2-135M-Instruct on TextArena games, the study's runs and report.
+
+    make smollm2                                     # the model, converted once
+    python -m train.study.real_model                 # every run below (resumable)
+    python -m train.study.real_model --report-only   # aggregate what is there
+
+Steps, in this order (each skipped when done, resumed when killed):
+
+1. the starting point on each game: ``python -m train.evaluate`` of the converted model on
+   :data:`START_EPISODES` held-out episodes (``<runs>/start-<game>``);
+2. the main comparison: ``guess-the-number`` with ``grpo`` and ``mpo`` at seeds 0, 1, 2
+   (seed-major, so a stopped study has both presets at the same seeds);
+3. the extras at one seed: the second game (``frozen-lake``: TextArena's 4x4 board with 3 holes,
+   held out by layout) and the third preset (``ppo``).
+
+Every run is ``python -m train.run`` with :data:`RUN_FLAGS` (one budget, one learning rate for
+every preset: 3e-5, chosen on a grpo probe at seed 0; the critic presets keep the pretrained
+default critic rate). The report (``--out``, default ``benchmarks/real_model/``): ``results.md``
+(per game and preset: held-out success at the end and its area under the curve, the start
+prepended as step 0, means over seeds with 95% bootstrap intervals; each run's own end with a
+Wilson interval over its episodes; format errors over training; seconds and tokens/s per
+phase), ``results.json`` and ``curves_<game>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from train.core.metrics import read_metrics
+from train.study.round1 import HELDOUT, child_env, compile_cache, finished_record, launch
+from train.study.stats import bootstrap_ci, mean_band, normalised_auc
+
+__all__ = ["RUN_FLAGS", "Cell", "cells", "wilson", "run_figures", "summarise", "main"]
+
+MODEL = "models/smollm2-135m-instruct"
+# the starting point: 200 held-out episodes, as 4 evaluations (seeds 0-3) of 25 tasks x 2 samples
+# (one evaluation is one batch: 200 rows of 1,024 tokens would hold a 9 GB cache)
+START_SEEDS, START_EPISODES, START_K = (0, 1, 2, 3), 25, 2
+TURN = ["--max-len", "1024", "--max-new-tokens", "48"]
+RUN_FLAGS = [
+    *TURN,
+    "--steps", "10", "--prompts-per-step", "4", "--group-size", "4",
+    "--lr", "3e-5", "--warmup-steps", "2", "--micro-batch-tokens", "4096", "--minibatches", "1",
+    "--eval-every", "5", "--eval-episodes", "16", "--eval-k", "2", "--checkpoint-every", "2",
+]  # fmt: skip
+MAIN_GAME, MAIN_PRESETS, SEEDS = "guess-the-number", ("grpo", "mpo"), (0, 1, 2)
+EXTRAS = (("frozen-lake", "grpo", 0), ("guess-the-number", "ppo", 0))
+PHASES = ("rollout", "scoring", "update")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    game: str
+    preset: str
+    seed: int
+
+    def run_dir(self, root: Path) -> Path:
+        return Path(root) / self.game / self.preset / f"seed{self.seed}"
+
+
+def cells() -> list[Cell]:
+    """The study's runs in the order they run: the main comparison seed by seed, then extras."""
+    main = [Cell(MAIN_GAME, p, s) for s in SEEDS for p in MAIN_PRESETS]
+    return main + [Cell(*extra) for extra in EXTRAS]
+
+
+def games() -> list[str]:
+    return list(dict.fromkeys(c.game for c in cells()))
+
+
+def start_dir(root: Path, game: str) -> Path:
+    return Path(root) / f"start-{game}"
+
+
+def evaluate_start(game: str, root: Path, model: str) -> None:
+    """``train.evaluate`` of the untrained model on ``game``'s held-out split, one evaluation a
+    seed of :data:`START_SEEDS` into ``start-<game>/seed<k>``, each skipped when done."""
+    for seed in START_SEEDS:
+        out = start_dir(root, game) / f"seed{seed}"
+        if (out / "metrics.json").exists():
+            continue
+        args = [
+            "--model-path", model, "--env", game, "--episodes", str(START_EPISODES),
+            "--k", str(START_K), *TURN, "--seed", str(seed), "--out", str(out),
+        ]  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "train.evaluate", *args],
+            env=child_env(0, compile_cache(root)),
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"start of {game}: train.evaluate exited {proc.returncode}:\n"
+                               f"{proc.stderr[-3000:]}")  # fmt: skip
+
+
+def start_point(root: Path, game: str) -> dict[str, Any] | None:
+    """The pooled starting point of ``game`` (success, format errors, episodes, Wilson
+    interval), or None until every seed's evaluation is there."""
+    files = [start_dir(root, game) / f"seed{s}" / "metrics.json" for s in START_SEEDS]
+    if not all(f.exists() for f in files):
+        return None
+    measured = [json.loads(f.read_text()) for f in files]
+    episodes = START_EPISODES * START_K * len(measured)
+    success = float(np.mean([m["eval_heldout_success_rate"] for m in measured]))
+    errors = [m.get("eval_heldout_env_format_error_rate", np.nan) for m in measured]
+    return {
+        "success": success,
+        "format_errors": float(np.mean(errors)),
+        "episodes": episodes,
+        "wilson": wilson(round(success * episodes), episodes),
+    }
+
+
+def run_cell(cell: Cell, root: Path, model: str) -> dict:
+    args = [
+        "--model-path", model, "--env", cell.game, "--preset", cell.preset,
+        "--seed", str(cell.seed), *RUN_FLAGS,
+    ]  # fmt: skip
+    return launch(
+        "train.run", args, cell.run_dir(root), dataclasses.asdict(cell), cache=compile_cache(root)
+    )
+
+
+def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float, float]:
+    """(rate, low, high): the Wilson score interval of a success rate over ``n`` episodes."""
+    if n <= 0:
+        raise ValueError(f"n: need at least one episode, got {n}")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return p, max(0.0, centre - half), min(1.0, centre + half)
+
+
+def run_figures(rows: list[dict], start: float, eval_episodes: int) -> dict[str, Any]:
+    """One run's figures from its ``metrics.jsonl`` rows: the held-out curve with the start as
+    step 0, its end (with a Wilson interval over ``eval_episodes``) and normalised AUC, the
+    training format-error curve, and each phase's median seconds and tokens/s a step."""
+    steps = [0] + [r["step"] for r in rows if HELDOUT in r]
+    values = [start] + [r[HELDOUT] for r in rows if HELDOUT in r]
+    end = values[-1]
+    out: dict[str, Any] = {
+        "heldout_curve": [steps, values],
+        "heldout_final": end,
+        "heldout_final_wilson": wilson(round(end * eval_episodes), eval_episodes)[1:],
+        "heldout_auc": normalised_auc(steps, values),
+        "format_error_curve": [
+            [r["step"] for r in rows if "env_format_error_rate" in r],
+            [r["env_format_error_rate"] for r in rows if "env_format_error_rate" in r],
+        ],
+        "train_success_curve": [
+            [r["step"] for r in rows if "success_rate" in r],
+            [r["success_rate"] for r in rows if "success_rate" in r],
+        ],
+        "steps": max(r["step"] for r in rows),
+    }
+    for phase in PHASES:
+        for unit in ("s", "tok_s"):
+            key = f"{phase}_{unit}"
+            measured = [r[key] for r in rows if key in r]
+            if measured:
+                out[key] = float(np.median(measured))
+    return out
+
+
+def summarise(root: Path, model: str = MODEL) -> dict[str, Any]:
+    """Per game: the start and, per preset, every finished seed's figures and the mean and 95%
+    bootstrap interval over seeds of the end and the AUC."""
+    results: dict[str, Any] = {}
+    for game in games():
+        start = start_point(root, game)
+        if start is None:
+            continue
+        entry: dict[str, Any] = {"start": start, "presets": {}}
+        for cell in (c for c in cells() if c.game == game):
+            run_dir = cell.run_dir(root)
+            rows = read_metrics(run_dir)
+            done = finished_record(run_dir)
+            if done is None or not rows:
+                continue
+            config = json.loads((run_dir / "config.json").read_text())
+            episodes = config["eval_episodes"] * config["eval_k"]
+            figures = run_figures(rows, start["success"], episodes)
+            figures["wall_s"] = done["wall_s"]
+            entry["presets"].setdefault(cell.preset, {"seeds": {}})["seeds"][cell.seed] = figures
+        for by_preset in entry["presets"].values():
+            runs = list(by_preset["seeds"].values())
+            for name in ("heldout_final", "heldout_auc", "wall_s"):
+                mean, low, high = bootstrap_ci([r[name] for r in runs])
+                by_preset[name] = {"mean": mean, "low": low, "high": high, "n": len(runs)}
+            curves = [r["heldout_curve"] for r in runs]
+            if all(c[0] == curves[0][0] for c in curves):
+                mean, low, high = mean_band([c[1] for c in curves])
+                by_preset["curve"] = {
+                    "steps": curves[0][0],
+                    "mean": mean.tolist(),
+                    "low": low.tolist(),
+                    "high": high.tolist(),
+                }
+        results[game] = entry
+    return results
+
+
+def _pct(mean: float, low: float | None = None, high: float | None = None) -> str:
+    text = f"{100 * mean:.0f}"
+    return text if low is None else f"{text} [{100 * low:.0f}, {100 * high:.0f}]"
+
+
+def _phase(figures: dict, phase: str) -> str:
+    seconds = figures.get(f"{phase}_s", float("nan"))
+    return f"{seconds:.0f} ({figures.get(f'{phase}_tok_s', float('nan')):.0f})"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        "# A real model learns: results",
+        "",
+        "Written by `python -m train.study.real_model`. Held-out success in %, 95% intervals in "
+        "brackets: over seeds (percentile bootstrap of the seeds' mean; with 3 seeds read it as "
+        "their spread) for a preset, over episodes (Wilson) for the start and for one run. AUC = "
+        "the held-out curve's mean over training, the start counted as step 0.",
+        "",
+        f"Every run: `python -m train.run --model-path {MODEL} --env GAME --preset PRESET "
+        f"--seed SEED {' '.join(RUN_FLAGS)}`",
+        "",
+    ]
+    for game, entry in results.items():
+        start = entry["start"]
+        lo, hi = start["wilson"][1:]
+        lines += [
+            f"## {game}",
+            "",
+            f"Start (untrained, {start['episodes']} held-out episodes): "
+            f"{_pct(start['success'], lo, hi)}, format errors "
+            f"{100 * start['format_errors']:.0f}% of turns.",
+            "",
+            "| preset | seeds | held-out end | lift over start (points) | held-out AUC "
+            "| each seed's end [Wilson] | wall min a run |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for preset, p in entry["presets"].items():
+            end, auc = p["heldout_final"], p["heldout_auc"]
+            each = ", ".join(
+                f"s{seed} {_pct(f['heldout_final'], *f['heldout_final_wilson'])}"
+                for seed, f in sorted(p["seeds"].items())
+            )
+            lift = _pct(end["mean"] - start["success"])
+            lines.append(
+                f"| {preset} | {end['n']} | {_pct(end['mean'], end['low'], end['high'])} "
+                f"| {lift} | {_pct(auc['mean'], auc['low'], auc['high'])} | {each} "
+                f"| {p['wall_s']['mean'] / 60:.0f} |"
+            )
+        lines += ["", "Per run: training format errors (% of turns) by step, and phase costs.", ""]
+        lines += [
+            "| run | format errors by step | rollout s (tok/s) | scoring s (tok/s) "
+            "| update s (tok/s) |",
+            "|---|---|---|---|---|",
+        ]
+        for preset, p in entry["presets"].items():
+            for seed, f in sorted(p["seeds"].items()):
+                errors = " ".join(f"{100 * v:.0f}" for v in f["format_error_curve"][1])
+                phases = " | ".join(_phase(f, ph) for ph in PHASES)
+                lines.append(f"| {preset} s{seed} | {errors} | {phases} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for game, entry in results.items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for preset, p in entry["presets"].items():
+            c = p.get("curve")
+            if c is None:
+                continue
+            (line,) = ax.plot(
+                c["steps"],
+                c["mean"],
+                marker="o",
+                label=f"{preset} ({p['heldout_final']['n']} seeds)",
+            )
+            ax.fill_between(c["steps"], c["low"], c["high"], color=line.get_color(), alpha=0.15)
+        ax.axhline(entry["start"]["success"], color="grey", ls="--", label="start")
+        ax.set_title(f"SmolLM2-135M-Instruct on {game}: held-out success")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("held-out success rate")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"curves_{game}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.study.real_model", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model-path", default=MODEL, help=f"the converted model ({MODEL})")
+    parser.add_argument("--runs", default="runs/real-model", help="where the runs go")
+    parser.add_argument("--out", default="benchmarks/real_model", help="where the report goes")
+    parser.add_argument("--report-only", action="store_true", help="aggregate existing runs only")
+    args = parser.parse_args(argv)
+    root = Path(args.runs)
+    if not args.report_only:
+        if not (Path(args.model_path) / "config.json").exists():
+            raise SystemExit(f"--model-path: no converted model at {args.model_path}; run "
+                             "`make smollm2` first")  # fmt: skip
+        todo = cells()
+        for n, cell in enumerate(todo, 1):
+            if start_point(root, cell.game) is None:  # a game's start before its first run
+                started = time.perf_counter()
+                evaluate_start(cell.game, root, args.model_path)
+                print(f"start of {cell.game}: {time.perf_counter() - started:.0f} s", flush=True)
+            record = run_cell(cell, root, args.model_path)
+            state = "skipped (done)" if record["skipped"] else f"{record['wall_s']:.0f} s"
+            print(f"[{n}/{len(todo)}] {cell}: {state}", flush=True)
+    results = summarise(root, args.model_path)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    plot(results, out)
+    print(f"wrote {out}/results.md, results.json and curves_*.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
