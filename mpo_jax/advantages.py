@@ -127,8 +127,11 @@ def token_gae(
     ``A_i = δ_i + γλ A_{i+1}``; returns ``= A + V``. Schulman et al. 2016, arXiv:1506.02438.
 
     Args:
-      rewards, values, loss_mask: [B, T].
-      gamma, lam: discount and GAE λ (Python floats or scalars).
+      rewards: [B, T].
+      values: [B, T].
+      loss_mask: [B, T].
+      gamma: discount (a Python float or a scalar).
+      lam: GAE λ (a Python float or a scalar).
       bootstrap_value: [B] value after the last action token; 0 when None.
       method: scan strategy, see :mod:`mpo_jax.scan`.
 

@@ -93,7 +93,9 @@ def decision_credit_correlation(
     turns are graded or either side has no variance (nothing to correlate).
 
     Args:
-      advantages, loss_mask, turn_ids: [B, T] (docs/design.md §2 layout).
+      advantages: [B, T].
+      loss_mask: [B, T] (docs/design.md §2 layout).
+      turn_ids: [B, T] (docs/design.md §2 layout).
       turn_quality: [B, K] grades, K >= the number of turns of every row.
     """
     q_all = jnp.asarray(turn_quality)

@@ -134,7 +134,8 @@ def policy_loss(
       logp: [B, T] log-probs under the policy being optimised (differentiate through this).
       old_logp: [B, T] log-probs under the rollout policy.
       advantages: [B, T].
-      loss_mask, turn_ids: the layout of docs/design.md §2.
+      loss_mask: [B, T], the layout of docs/design.md §2.
+      turn_ids: [B, T], the layout of docs/design.md §2.
       aggregation: see :func:`aggregate`.
       normalizer: divide the summed loss by this instead of the batch's own count (pass the full
         batch's count when accumulating micro-batches).
