@@ -254,7 +254,8 @@ def make_plan(cfg, *, limit: int | None = None):
     programs.append(Program("sampler prefill", _own(prefill, actor_bytes), resident, rollout_flags))
     decode = compile_(
         _decode_jit, actor_def, max_len, actor, cache, host((rows,), jnp.int32),
-        host((rows, vocab), jnp.float32), host((rows,), bool), jax.random.key(0), max_new,
+        host((rows, vocab), jnp.float32), host((rows,), bool), host((rows,), jnp.int32),
+        jax.random.key(0), max_new,
         cfg.temperature, 0, 1.0, (1,),
     )  # fmt: skip
     programs.append(Program("sampler decode", _own(decode, actor_bytes), resident, rollout_flags))

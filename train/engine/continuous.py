@@ -212,9 +212,11 @@ class _Loop:
         self.sampler.open(self.n_slots)
         index = 0
         while self.queue or self.returning or self.slot_of or self.pending:
+            self._answers(block=False)
             self._admit()
-            self._answers(block=not self.turns and not self.new_ids)
-            self._admit()  # slots the answers freed
+            if not self.turns and not self.new_ids:  # nothing to run: wait for an answer
+                self._answers(block=True)
+                self._admit()
             if self.new_ids:
                 started = time.perf_counter()
                 self.sampler.extend([self.new_ids.get(s) for s in range(self.n_slots)])
@@ -226,7 +228,15 @@ class _Loop:
 
     def _admit(self) -> None:
         """Free slots go to answered episodes without one (their whole conversation is
-        prefilled), then to new episodes (their prompt)."""
+        prefilled), then to new episodes (their prompt). With ``recompute``, episodes still
+        waiting on their environment lend their slots first when others wait for one (the most
+        recently handed over first: the likeliest to be away longest)."""
+        free = [s for s in range(self.n_slots) if self.holder[s] < 0]
+        wanted = len(self.returning) + len(self.queue) - len(free)
+        if self.recompute and wanted > 0:
+            waiting = [i for i, _, _ in self.pending.values() if i in self.slot_of]
+            for i in waiting[::-1][:wanted]:
+                self._free(i)
         for slot in [s for s in range(self.n_slots) if self.holder[s] < 0]:
             if self.returning:
                 i = self.returning.popleft()
@@ -290,8 +300,6 @@ class _Loop:
                 return self._free(i)
             return self._answered(i, result, close)
         self.pending[self.pool.submit(env.step, text)] = (i, close, time.perf_counter())
-        if self.recompute and (self.queue or self.returning):
-            self._free(i)  # others wait for a slot: this one recomputes its prefix later
 
     def _answers(self, block: bool) -> None:
         """Books the environments that answered; with ``block``, waits for at least one (or
