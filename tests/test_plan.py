@@ -3,6 +3,7 @@ against the trainer's own compiled programs, the CLI on fake devices, a refused 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -90,7 +91,8 @@ def test_the_plan_cli_on_fake_devices_ends_with_its_verdict():
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    assert lines[0] == "per device (2 device(s)), GiB"
+    assert lines[0].startswith("run: 8 episodes a step on 8 decode slots, --max-len 23")
+    assert lines[2] == "per device (2 device(s)), GiB"
     assert lines[-1].startswith("peak per device: ") and lines[-1].endswith(" of 0.93 GiB: fits")
 
 
@@ -125,5 +127,48 @@ def test_a_plan_that_does_not_fit_is_refused_at_start_naming_the_flags(tmp_path,
     assert code == 2
     err = capsys.readouterr().err
     assert "refused (nothing was written): the memory plan does not fit:" in err
-    assert "GiB a device of 0.00 GiB; change --" in err
+    assert "nothing on 1 device(s) fits" in err and "devices with fsdp (--mesh 1," in err
     assert not run_dir.exists()
+
+
+def test_each_knob_lowers_one_notch_to_its_floor():
+    from train.plan import _lowered
+
+    cfg = parse_args([*TINY, "--run-dir", os.devnull])  # 8 episodes, micro-batches of 2 rows
+    assert _lowered(cfg, "remat", 23) == {"remat": "full"}
+    assert _lowered(dataclasses.replace(cfg, remat="full"), "remat", 23) is None
+    assert _lowered(cfg, "slots", 23) == {"engine": "continuous", "slots": 4}
+    assert _lowered(dataclasses.replace(cfg, slots=1), "slots", 23) is None
+    # micro-batches of 2 rows of 24 padded tokens (48): the power of two below, 32; then one row
+    assert _lowered(cfg, "micro_batch_tokens", 23) == {"micro_batch_tokens": 32, "micro_batches": 1}
+    budget = dataclasses.replace(cfg, micro_batches=1, micro_batch_tokens=32)
+    assert _lowered(budget, "micro_batch_tokens", 23)["micro_batch_tokens"] == 24
+    one_row = dataclasses.replace(cfg, micro_batches=1, micro_batch_tokens=24)
+    assert _lowered(one_row, "micro_batch_tokens", 23) is None
+
+
+@pytest.mark.slow  # a search compiles a dozen plans (about two minutes here)
+def test_the_plan_proposes_settings_that_fit_and_keeps_the_users_own_flags(tmp_path):
+    from train.plan import propose
+
+    at = TINY.index("--micro-batches")
+    base = [*TINY[:at], *TINY[at + 2 :], "--run-dir", str(tmp_path)]
+    cfg = parse_args(base)  # TINY without its --micro-batches: left to the search
+    default = make_plan(cfg)
+    floor = make_plan(parse_args([*base, "--slots", "1", "--remat", "full",
+                                  "--micro-batch-tokens", "1"]))  # fmt: skip
+    assert floor.peak < default.peak
+    limit = (default.peak + floor.peak) // 2
+    proposal = propose(cfg, limit=limit, given=cfg.given_fields)
+    assert proposal.plan.fits and proposal.changes and not proposal.blocked
+    assert "with the settings chosen: --" in proposal.verdict()
+    # the line it prints, pasted back as flags, is a plan that fits
+    pasted = parse_args([*base, *proposal.flags().split()])
+    assert make_plan(pasted, limit=limit).fits
+    # the user's own flags are never changed; the verdict names the change that would fit
+    mine = parse_args([*base, "--micro-batches", "2", "--remat", "none", "--slots", "8"])
+    tight = (make_plan(mine).peak + floor.peak) // 2
+    held = propose(mine, limit=tight, given=mine.given_fields)
+    assert not held.plan.fits and held.blocked and held.cfg.remat == "none"
+    assert "instead it fits" in held.verdict()
+    assert make_plan(dataclasses.replace(mine, **held.blocked), limit=tight).fits

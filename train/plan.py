@@ -35,7 +35,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Plan", "Program", "make_plan", "main", "device_memory", "GIB"]
+__all__ = [
+    "Plan",
+    "Program",
+    "Proposal",
+    "make_plan",
+    "propose",
+    "micro_rows",
+    "planned_dtype",
+    "main",
+    "device_memory",
+    "GIB",
+]
 
 GIB = 2**30
 
@@ -64,10 +75,18 @@ class Plan:
     programs: list[Program]
     limit: int | None
     notes: list[str] = dataclasses.field(default_factory=list)  # what the plan assumed
+    shape: str = ""  # the run's shape: rows, length, dtypes, remat, mesh
+    max_len: int = 0  # the tokens a row the programs were compiled for
 
     @property
     def peak(self) -> int:
         return max(p.peak for p in self.programs)
+
+    @property
+    def resident_state(self) -> int:
+        """Bytes a device holds whatever the program: weights and moments (not the sampler's
+        cache nor the gradient accumulator, which come and go)."""
+        return sum(v for k, v in self.state.items() if "(" not in k)
 
     @property
     def fits(self) -> bool:
@@ -82,7 +101,8 @@ class Plan:
         return f"peak per device: {self.peak / GIB:.2f} GiB of {limit} GiB: {fits}"
 
     def table(self) -> str:
-        lines = [f"per device ({self.devices} device(s)), GiB", "", "| state | GiB |", "|---|---|"]
+        lines = [f"run: {self.shape}", ""] if self.shape else []
+        lines += [f"per device ({self.devices} device(s)), GiB", "", "| state | GiB |", "|---|---|"]
         lines += [f"| {k} | {v / GIB:.3f} |" for k, v in self.state.items()]
         lines += ["", "| program | own | resident beside it | peak |", "|---|---|---|---|"]
         for p in self.programs:
@@ -136,26 +156,49 @@ def _own(compiled, resident_args: int) -> int:
     )
 
 
+def planned_dtype(name: str, platform: str | None) -> str:
+    """``--compute-dtype`` as the target platform resolves it (``auto``: bfloat16 on gpu and tpu,
+    float32 on cpu); ``platform`` None: this process's backend."""
+    if name != "auto":
+        return name
+    platform = platform or jax.default_backend()
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+def micro_rows(cfg, max_len: int, ways: int = 1) -> int:
+    """Rows of the largest micro-batch at ``max_len`` tokens a row: ``--micro-batches``' equal
+    split, or under ``--micro-batch-tokens N`` as many rows of that length as N holds (at least
+    one; a multiple of the data-parallel ``ways``), as ``train.core.learner.token_budget_groups``
+    packs them."""
+    if not cfg.micro_batch_tokens:
+        return cfg.micro_rows
+    from mpo_jax.batch import padded_length
+
+    width = padded_length(max_len)
+    return max(ways, (max(1, cfg.micro_batch_tokens // width) // ways) * ways)
+
+
 def device_memory() -> int | None:
     """The first local device's memory limit (GPU/TPU), or None where the runtime says none."""
     stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
 
 
-def make_plan(cfg, *, limit: int | None = None):
-    """The plan of ``cfg`` (a :class:`train.core.config.TrainConfig`) on this process's devices."""
+def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
+    """The plan of ``cfg`` (a :class:`train.core.config.TrainConfig`) on this process's devices;
+    ``platform`` (cpu, gpu, tpu; default this process's) resolves ``--compute-dtype auto``."""
     from flax import nnx
 
     import envs
     from mpo_jax import algorithms
-    from train.core.build import compute_dtype, model_config, needs_reference, run_codec
+    from train.core.build import model_config, needs_reference, run_codec
     from train.core.learner import ActionRows, Models, UpdateFns, loss_fields, make_optimizer
     from train.core.scoring import Scorer
     from train.engine.sampler import _decode_jit, _extend_jit, bucket, cache_sharding, cache_slots
     from train.model.qwen3 import KVCache, Qwen3ForCausalLM, Qwen3ValueModel
     from train.model.sharding import batch_sharding, batch_ways, make_mesh, param_shardings
 
-    cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype(cfg.compute_dtype))
+    cfg = dataclasses.replace(cfg, compute_dtype=planned_dtype(cfg.compute_dtype, platform))
     algo = algorithms.get(cfg.preset, **cfg.algo_set)
     probe = envs.make(cfg.env, seed=0, **{"split": "train", **cfg.env_set})
     try:
@@ -229,7 +272,9 @@ def make_plan(cfg, *, limit: int | None = None):
     if needs_reference(cfg, algo):
         state["reference parameters"] = state["actor parameters"]
     resident = sum(state.values())
-    rows = cfg.prompts_per_step * cfg.group_size // jax.process_count()
+    episodes = cfg.prompts_per_step * cfg.group_size // jax.process_count()
+    # the engine's decode slots (one per episode unless --slots says fewer)
+    rows = min(cfg.slots, episodes) if cfg.slots and cfg.engine == "continuous" else episodes
     slots = cache_slots(max_len)
     cache_shard = cache_sharding(mc, rows, mesh)
     cache_shape = jax.eval_shape(lambda: KVCache.empty(mc, rows, slots))
@@ -250,7 +295,7 @@ def make_plan(cfg, *, limit: int | None = None):
         _extend_jit, actor_def, actor, cache, host((rows, chunk), jnp.int32),
         host((rows,), jnp.int32), host((rows,), jnp.int32), host((rows, vocab), jnp.float32),
     )  # fmt: skip
-    rollout_flags = "--prompts-per-step / --group-size (rollout rows), --max-len, --mesh"
+    rollout_flags = "--slots (decode rows), --max-len, --mesh"
     programs.append(Program("sampler prefill", _own(prefill, actor_bytes), resident, rollout_flags))
     decode = compile_(
         _decode_jit, actor_def, max_len, actor, cache, host((rows,), jnp.int32),
@@ -260,13 +305,13 @@ def make_plan(cfg, *, limit: int | None = None):
     )  # fmt: skip
     programs.append(Program("sampler decode", _own(decode, actor_bytes), resident, rollout_flags))
 
-    micro = cfg.micro_rows
+    micro = micro_rows(cfg, max_len, batch_ways(mesh))
     rows_spec = dict(sharded=micro % batch_ways(mesh) == 0)
     # the worst case: rows of --max-len tokens, every one of them an action token
     tokens = host((micro, max_len), jnp.int32, **rows_spec)
     positions = host((micro, max_len), jnp.int32, **rows_spec)
     scorer = Scorer(rows=micro, temperature=cfg.temperature)
-    score_flags = "--micro-batches, --max-len, --mesh"
+    score_flags = "--micro-batch-tokens, --max-len, --mesh"
     logp = compile_(scorer._logp, actor_def, actor, tokens, positions, temperature=cfg.temperature)
     programs.append(Program("scoring (actor)", _own(logp, actor_bytes), resident, score_flags))
     if critic is not None:
@@ -287,8 +332,8 @@ def make_plan(cfg, *, limit: int | None = None):
         },
     )
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    train_flags = "--micro-batches, --remat, --max-len, --mesh (fsdp)"
-    accumulate = grads if cfg.micro_batches > 1 else 0
+    train_flags = "--remat, --micro-batch-tokens, --max-len, --mesh (fsdp)"
+    accumulate = grads if cfg.micro_batches > 1 or cfg.micro_batch_tokens else 0
     for which, grad_fn, extra in (
         ("actor", fns.actor_grad, (scalar, scalar)),
         ("critic", fns.critic_grad, (scalar,)),
@@ -305,13 +350,148 @@ def make_plan(cfg, *, limit: int | None = None):
         own = _own(update, _bytes_per_device(params) + _bytes_per_device(opts[which]))
         update_flags = "--mesh (fsdp), --param-dtype, --opt-dtype"
         programs.append(Program(f"optimizer update ({which})", own, resident, update_flags))
-    return Plan(n, state, programs, limit, notes)
+    shape = (
+        f"{cfg.prompts_per_step * cfg.group_size} episodes a step on {rows} decode slots, "
+        f"--max-len {max_len}, micro-batches of {micro} rows, compute {cfg.compute_dtype}, "
+        f"parameters {cfg.param_dtype}, moments {cfg.opt_dtype}, --remat {cfg.remat}, "
+        f"mesh {dict(mesh.shape)}"
+    )
+    return Plan(n, state, programs, limit, notes, shape=shape, max_len=max_len)
+
+
+# What lowers each program, tried in this order: the decode rows for the sampler, the remat and
+# then the token budget for the training micro-steps, the token budget for scoring. The
+# optimizer update (parameters and moments) has no knob on the given devices: fsdp over more.
+KNOBS = {
+    "sampler": ("slots",),
+    "scoring": ("micro_batch_tokens",),
+    "training micro-step": ("remat", "micro_batch_tokens"),
+    "optimizer update": (),
+}
+BLOCKED_BY = {"micro_batch_tokens": ("micro_batch_tokens", "micro_batches"), "slots": ("slots",)}
+
+
+@dataclasses.dataclass
+class Proposal:
+    """Settings the search chose, their plan, and what the user's own flags stood in the way of
+    (``blocked``: the settings that fit if those flags change; empty when the plan fits as
+    chosen or when nothing on these devices fits)."""
+
+    cfg: object
+    plan: Plan
+    changes: dict
+    blocked: dict
+    needs: str = ""  # what would fit when nothing on these devices does
+
+    def flags(self, changes: dict | None = None) -> str:
+        items = self.changes if changes is None else changes
+        return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in items.items())
+
+    def verdict(self) -> str:
+        line = self.plan.verdict()
+        if self.plan.fits and self.changes:
+            return f"{line} with the settings chosen: {self.flags()}"
+        if not self.plan.fits and self.blocked:
+            return f"{line}; with {self.flags(self.blocked)} instead it fits"
+        if not self.plan.fits and self.needs:
+            return f"{line}; {self.needs}"
+        return line
+
+
+def _category(program: str) -> str:
+    return next(k for k in KNOBS if program.startswith(k))
+
+
+def _lowered(cfg, field: str, max_len: int) -> dict | None:
+    """The changes that lower ``field`` one notch from ``cfg``'s value, or None at its floor."""
+    from mpo_jax.batch import padded_length
+
+    if field == "remat":
+        return {"remat": "full"} if cfg.remat != "full" else None
+    if field == "slots":
+        episodes = cfg.prompts_per_step * cfg.group_size
+        current = min(cfg.slots or episodes, episodes)
+        return {"engine": "continuous", "slots": current // 2} if current > 1 else None
+    width = padded_length(max_len)
+    current = cfg.micro_batch_tokens or micro_rows(cfg, max_len) * width
+    if current <= width:
+        return None  # one row of --max-len: the budget cannot go lower
+    budget = max(width, 1 << ((current - 1).bit_length() - 1))  # the power of two below
+    return {"micro_batch_tokens": budget, "micro_batches": 1}
+
+
+def _search(cfg, limit, platform, given, tries, say, plan=None):
+    changes, blocked = {}, {}
+    plan = plan or make_plan(cfg, limit=limit, platform=platform)
+    max_len = plan.max_len
+    while not plan.fits and tries > 0:
+        tries -= 1
+        step = None
+        for field in KNOBS[_category(plan.worst().name)]:
+            lowered = _lowered(cfg, field, max_len)
+            if lowered is None:
+                continue
+            if any(name in given for name in BLOCKED_BY.get(field, (field,))):
+                blocked.update(lowered)
+                continue
+            step = lowered
+            break
+        if step is None:
+            break
+        changes.update(step)
+        cfg = dataclasses.replace(cfg, **step)
+        say(f"plan: {plan.worst().name} needs {plan.worst().peak / GIB:.2f} GiB; trying "
+            + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in step.items()))  # fmt: skip
+        plan = make_plan(cfg, limit=limit, platform=platform)
+    return cfg, plan, changes, blocked
+
+
+def propose(
+    cfg, *, limit: int, platform: str | None = None, given=(), tries: int = 24, say=None
+) -> Proposal:
+    """Searches the settings left to their defaults until the plan fits ``limit`` bytes a device.
+
+    The program that does not fit says which knob to turn (:data:`KNOBS`): fewer decode slots
+    (``--slots``, halved: more episodes in flight than slots), ``--remat full``, a smaller
+    ``--micro-batch-tokens`` (halved, down to one row of ``--max-len``). Fields in ``given`` (the
+    user's own flags) are never changed; when they stand in the way, the search is run again
+    without them and ``blocked`` holds what would fit. When nothing fits on these devices,
+    ``needs`` names the way out: more devices with fsdp, or a shorter ``--max-len``."""
+    say = say or (lambda message: None)
+    plan = make_plan(cfg, limit=limit, platform=platform)
+    if plan.resident_state > limit:  # the weights and moments alone: no setting lowers them
+        return Proposal(cfg, plan, {}, {}, needs=_needs(plan, limit))
+    chosen, plan, changes, blocked = _search(cfg, limit, platform, set(given), tries, say, plan)
+    proposal = Proposal(chosen, plan, changes, {})
+    if plan.fits:
+        return proposal
+    if blocked:
+        _, freed, freed_changes, _ = _search(cfg, limit, platform, set(), tries, say)
+        if freed.fits:
+            proposal.blocked = freed_changes
+            return proposal
+    proposal.needs = _needs(plan, limit)
+    return proposal
+
+
+def _needs(plan: Plan, limit: int) -> str:
+    """The way out when nothing on these devices fits: fsdp over enough devices that the
+    resident state takes at most half of each (a power of two), a shorter length, LoRA."""
+    devices = plan.devices * max(
+        2, 1 << int(np.ceil(np.log2(max(1.0, 2 * plan.resident_state / limit))))
+    )
+    return (
+        f"nothing on {plan.devices} device(s) fits ({plan.worst().name} at its floor); try "
+        f"{devices} devices with fsdp (--mesh 1,{devices},1), a shorter --max-len, or fewer "
+        "trained parameters (LoRA, not built yet)"
+    )
 
 
 def _split_argv(argv):
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--devices", type=int, default=None)
     parser.add_argument("--device-memory", type=float, default=None)
+    parser.add_argument("--platform", choices=("cpu", "gpu", "tpu"), default=None)
     return parser.parse_known_args(argv)
 
 
@@ -320,8 +500,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(__doc__)
-        print("plan flags: --devices N (fake N CPU devices), --device-memory BYTES; and every")
-        print("flag of python -m train.run --help")
+        print("plan flags: --devices N (fake N CPU devices), --device-memory BYTES, --platform")
+        print("cpu|gpu|tpu (the dtypes 'auto' resolves to); and every flag of train.run --help")
         return 0
     ours, rest = _split_argv(argv)
     if ours.devices:
@@ -342,11 +522,18 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = parse_args(["--run-dir", os.devnull, *rest] if "--run-dir" not in rest else rest)
     limit = int(ours.device_memory) if ours.device_memory else device_memory()
-    plan = make_plan(cfg, limit=limit)
-    print(plan.table())
+    plan = make_plan(cfg, limit=limit, platform=ours.platform)
+    if plan.fits or limit is None:
+        print(plan.table())
+        print()
+        print(plan.verdict())
+        return 0 if plan.fits else 1
+    given = getattr(cfg, "given_fields", ())
+    proposal = propose(cfg, limit=limit, platform=ours.platform, given=given, say=print)
+    print(proposal.plan.table())
     print()
-    print(plan.verdict())
-    return 0 if plan.fits else 1
+    print(proposal.verdict())
+    return 0 if proposal.plan.fits else 1
 
 
 if __name__ == "__main__":

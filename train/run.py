@@ -55,23 +55,35 @@ def _write_config(trainer: Trainer, path: Path) -> None:
     write_config(cfg, path, algorithm=trainer.resolved())
 
 
-def check_memory_plan(cfg: TrainConfig) -> None:
+def check_memory_plan(cfg: TrainConfig) -> TrainConfig:
     """The start-up memory check, before a weight is read: the run's programs compiled on
     abstract shapes (:func:`train.plan.make_plan`) against ``--device-memory`` (default: what the
-    GPU/TPU runtime reports; none on the CPU, where memory is the host's). Raises ``ValueError``
-    naming the flags that lower the program that does not fit."""
+    GPU/TPU runtime reports; none on the CPU, where memory is the host's). When they do not fit,
+    the settings the user left to their defaults are searched (:func:`train.plan.propose`) and
+    the run starts with the ones that fit, said on stderr; returns the configuration to run.
+    Raises ``ValueError`` naming the change that fits (the user's own flags, more devices)."""
     if cfg.device_memory < 0:
-        return
-    from train.plan import device_memory, make_plan
+        return cfg
+    from train.plan import device_memory, make_plan, propose
 
     limit = int(cfg.device_memory) or device_memory()
     if limit is None:
-        return
+        return cfg
+    lead = jax.process_index() == 0
     plan = make_plan(cfg, limit=limit)
-    if not plan.fits:
-        raise ValueError(plan.refusal())
-    if jax.process_index() == 0:
-        print(plan.verdict(), file=sys.stderr)
+    if plan.fits:
+        if lead:
+            print(plan.verdict(), file=sys.stderr)
+        return cfg
+    given = getattr(cfg, "given_fields", ())
+    proposal = propose(cfg, limit=limit, given=given)
+    if not proposal.plan.fits:
+        raise ValueError(f"the memory plan does not fit: {proposal.verdict()}")
+    if lead:
+        print(f"settings chosen to fit: {proposal.verdict()}", file=sys.stderr)
+    chosen = proposal.cfg
+    chosen.given_fields = given
+    return chosen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(refusal, file=sys.stderr)
         return 2
     try:
-        check_memory_plan(cfg)
+        cfg = check_memory_plan(cfg)
         trainer = Trainer(cfg)
     except (ValueError, FileNotFoundError) as e:  # our start-up checks name the flag or file
         print(f"refused (nothing was written): {e}", file=sys.stderr)

@@ -432,9 +432,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     unknown = sorted(set(values) - known)
     if unknown:
         raise SystemExit(f"config: unknown field(s) {unknown}")
+    given = sorted(values)
     if values.get("resume"):
         values = _resume_values(values)
-    return TrainConfig(**values)
+    cfg = TrainConfig(**values)
+    cfg.given_fields = tuple(given)  # the flags (and --config values) the user gave
+    return cfg
 
 
 def _resume_values(given: dict[str, Any]) -> dict[str, Any]:
