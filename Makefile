@@ -83,6 +83,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/sampler.py
 	$(BIN)/python benchmarks/model.py
 	$(BIN)/python benchmarks/rollout.py
+	$(BIN)/python benchmarks/engine.py
 	$(BIN)/python benchmarks/search.py
 
 clean:
