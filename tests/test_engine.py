@@ -275,3 +275,16 @@ def test_tool_latency_is_log_normal_around_its_median_and_the_same_per_seed():
     assert time.perf_counter() - started >= 0.01  # it slept
     with pytest.raises(ValueError, match="tool_latency"):
         envs.make("synthetic-nav", tool_latency=-1)
+
+
+def test_a_rows_version_is_the_oldest_that_sampled_it():
+    from types import SimpleNamespace
+
+    from train.core.trainer import row_versions
+
+    tokens = np.array([[-1, 3, 3, -1, 4], [-1, -1, -1, -1, -1], [-1, 5, 6, 6, -1]])
+    rollouts = SimpleNamespace(token_versions=tokens, batch=SimpleNamespace(tokens=tokens))
+    assert row_versions(rollouts, 2).tolist() == [3, 2, 5]  # a row with no sampled token: given
+    assert row_versions(rollouts, 2, newest=True).tolist() == [4, 2, 6]
+    rollouts.token_versions = None  # the lockstep loop before versions: every row the given one
+    assert row_versions(rollouts, 7).tolist() == [7, 7, 7]

@@ -102,6 +102,7 @@ class RolloutWorker:
         self._queue: queue.Queue = queue.Queue()
         self.doing = "not started"
         self.idle_s = 0.0  # waiting for a version within the staleness bound
+        self.sampling_version = -1  # the version the current step started with
         self._thread = threading.Thread(target=self._run, name="rollout-worker", daemon=True)
 
     # -- learner side --------------------------------------------------------------------------
@@ -114,6 +115,12 @@ class RolloutWorker:
 
     def begin(self) -> None:
         self._thread.start()
+
+    def newest(self) -> tuple[Any, int]:
+        """(params, version) the learner published last: what the worker's engine swaps to
+        between decode chunks, mid-step."""
+        with self._cond:
+            return self._params, self._version
 
     def take(self, step: int) -> tuple[Any, int, float]:
         """(rollouts, version that sampled them, seconds the worker spent generating them) of
@@ -148,6 +155,7 @@ class RolloutWorker:
                 if not running:
                     return
                 self.doing = f"generating step {step} with version {version}"
+                self.sampling_version = version
                 t0 = time.perf_counter()
                 rollouts = self.generate(step, params)
                 self._queue.put((step, version, rollouts, time.perf_counter() - t0))

@@ -45,7 +45,6 @@ from train.core.config import (
     check_mesh_fit,
 )
 from train.core.distributed import (
-    gather_array,
     gather_rollouts,
     is_multiprocess,
     put_global,
@@ -280,8 +279,9 @@ class Trainer:
         """The step's rollouts: this process's share, then every process's (the global batch)."""
         return gather_rollouts(self.local_rollouts(step, self._local_params(), self.sampler))
 
-    def local_rollouts(self, step: int, params, sampler):
-        """This process's share of the step's rollouts, sampled with ``params``."""
+    def local_rollouts(self, step: int, params, sampler, publish=None):
+        """This process's share of the step's rollouts, sampled with ``params``; ``publish``
+        (the asynchronous worker's) hands the engine newer weights between decode chunks."""
         sampler.state = params
         cfg = self.cfg
         batch_envs, groups = make_episodes(
@@ -303,6 +303,7 @@ class Trainer:
                 max_new_tokens=self.max_new,
                 temperature=cfg.temperature,
                 seed=sampling_key(cfg.seed, TRAIN_STREAM, step, jax.process_index()),
+                publish=publish,
             )
 
     def score(self, rollouts) -> tuple[TurnBatch, dict[str, float]]:
@@ -507,8 +508,17 @@ class Trainer:
             mesh=None if is_multiprocess() else self.mesh,
             device=lock,
         )
+
+        def newer():  # weights published since the step started: swapped in between chunks
+            params, version = worker.newest()
+            return (params, version) if version > worker_sampler.version else None
+
+        def generate(step, params):
+            worker_sampler.version = worker.sampling_version
+            return self.local_rollouts(step, params, worker_sampler, publish=newer)
+
         worker = RolloutWorker(
-            lambda step, params: self.local_rollouts(step, params, worker_sampler),
+            generate,
             start=steps.start,
             steps=steps.stop,
             max_staleness=self.cfg.max_staleness,
@@ -523,14 +533,17 @@ class Trainer:
                 local, version, generate_s = worker.take(step)
                 waited = time.perf_counter() - t0
                 rollouts = gather_rollouts(local)
-                versions = np.full(len(rollouts.batch.tokens), version, np.int32)
+                versions = row_versions(rollouts, version)
                 rollouts.batch = rollouts.batch.replace(policy_version=versions)
                 metrics = self.step(step, rollouts=rollouts)
                 worker.publish(step + 1, self._published())
-                lag = step - gather_array(np.array([version]))
+                lag = step - versions
                 metrics.update(
                     staleness_mean=float(lag.mean()),
                     staleness_max=int(lag.max()),
+                    staleness_swapped_frac=float(
+                        np.mean(row_versions(rollouts, -1, newest=True) > versions)
+                    ),
                     worker_generate_s=generate_s,
                     worker_idle_s=worker.idle_s - idle,
                     learner_wait_s=waited,
@@ -603,6 +616,19 @@ def _summarise_updates(totals: dict[str, float]) -> dict[str, float]:
         out["kl_penalty"] = kl_penalty / tokens
     out.update({k: v / n for k, v in totals.items()})
     return out
+
+
+def row_versions(rollouts, version: int, *, newest: bool = False) -> np.ndarray:
+    """Each row's policy version: the oldest (or with ``newest`` the newest) version that sampled
+    one of its tokens (the engine may swap weights mid-step), ``version`` where a row has none."""
+    tokens = rollouts.token_versions
+    if tokens is None:
+        return np.full(len(rollouts.batch.tokens), version, np.int32)
+    sampled = tokens >= 0
+    fill = -1 if newest else np.iinfo(np.int32).max
+    pick = np.where(sampled, tokens, fill)
+    out = pick.max(axis=1) if newest else pick.min(axis=1)
+    return np.where(sampled.any(axis=1), out, version).astype(np.int32)
 
 
 def rollout_metrics(rollouts) -> dict[str, float]:

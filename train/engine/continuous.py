@@ -76,6 +76,7 @@ class EngineStats:
     decode_s: float = 0.0
     env_wait_s: float = 0.0  # blocked with nothing to decode, waiting for an environment
     recomputed: int = 0  # conversations prefilled anew after giving their slot up
+    swaps: int = 0  # new weights taken between chunks
     wall_s: float = 0.0
 
     @property
@@ -92,6 +93,7 @@ class EngineStats:
             "engine_utilisation": self.utilisation,
             "engine_chunks": float(self.chunks),
             "engine_recomputed": float(self.recomputed),
+            "engine_swaps": float(self.swaps),
             # wall-clock figures: named as the rollout phase's timings
             "rollout_device_idle_frac": self.device_idle,
             "rollout_env_wait_s": self.env_wait_s,
@@ -257,6 +259,7 @@ class _Loop:
             fresh = self.publish()
             if fresh is not None:
                 self.sampler.swap(*fresh)
+                self.stats.swaps += 1
         budgets = np.zeros(self.n_slots, np.int32)
         for i, turn in self.turns.items():
             budgets[self.slot_of[i]] = turn.left

@@ -56,9 +56,11 @@ class EngineSettings:
 
 def play(envs, codec, sampler, settings: EngineSettings | None = None, **kwargs: Any) -> Rollouts:
     """One episode in each env on the engine ``settings`` name; ``kwargs`` are
-    ``envs.rollout.collect``'s (group_ids, max_len, max_new_tokens, temperature, seed, ...)."""
+    ``envs.rollout.collect``'s (group_ids, max_len, max_new_tokens, temperature, seed, ...) and
+    ``publish`` (weights between decode chunks; the continuous engine only)."""
     s = settings or EngineSettings()
-    if s.engine == "lockstep":
+    if s.engine == "lockstep":  # a round is sampled whole: no weights between chunks
+        kwargs.pop("publish", None)
         return collect(envs, codec, sampler, **kwargs)
     return collect_continuous(
         envs,
