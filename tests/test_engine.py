@@ -73,7 +73,7 @@ def test_one_slot_per_episode_and_whole_turn_chunks_reproduce_lockstep_bit_for_b
     assert engine.stats.chunks == max(ep["turns"] for ep in engine.episodes)
 
 
-@pytest.mark.parametrize("slots,chunk,workers", [(1, 3, 0), (4, 5, 0), (3, 64, 2), (6, 1, 3)])
+@pytest.mark.parametrize("slots,chunk,workers", [(1, 3, 0), (3, 64, 2), (6, 1, 3)])
 def test_every_episode_runs_once_to_its_end_and_every_slot_is_freed(
     nav_model, slots, chunk, workers
 ):
@@ -159,7 +159,7 @@ def _torch_greedy(torch_model, prefix, n):
     return out[0, len(prefix) :].tolist()
 
 
-@pytest.mark.parametrize("slots,chunk,workers", [(5, 6, 0), (2, 4, 0), (1, 3, 2), (3, 1, 2)])
+@pytest.mark.parametrize("slots,chunk,workers", [(5, 6, 0), (1, 3, 2), (3, 1, 2)])
 def test_greedy_turns_equal_transformers_whatever_the_slots(tiny_qwen3, slots, chunk, workers):
     torch_model, model = tiny_qwen3
     talks = [_Talk(p, delay=0.01 * (i % 3) if workers else 0.0) for i, p in enumerate(PROMPTS)]
