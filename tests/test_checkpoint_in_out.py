@@ -109,3 +109,21 @@ def test_a_checkpoint_trains_exports_and_evaluates(checkpoint, tmp_path, env, pr
     )
     lines = (report / "transcripts.jsonl").read_text().splitlines()
     assert len(lines) == 2 and all(json.loads(x)["text"].startswith("<|im_start|>") for x in lines)
+
+
+def test_a_textarena_game_trains_two_steps_on_the_engine_with_fewer_slots(checkpoint, tmp_path):
+    # TextArena's family through the trainer, on the engine's non-default path: fewer slots than
+    # episodes, short chunks and environments stepped by threads.
+    path, _ = checkpoint
+    run_dir = tmp_path / "run"
+    args = [
+        "--model-path", str(path), "--env", "guess-the-number", "--preset", "grpo",
+        "--no-log-ref-kl", *SMALL_RUN, "--group-size", "4", "--slots", "2", "--decode-chunk",
+        "4", "--env-workers", "2", "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    assert run.main(args) == 0
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert np.isfinite(r["policy_loss"]) and 0 < r["engine_utilisation"] <= 1
+        assert r["engine_chunks"] >= 2 and "env_format_error_rate" in r
