@@ -131,18 +131,21 @@ def test_a_plan_that_does_not_fit_is_refused_at_start_naming_the_flags(tmp_path,
     assert not run_dir.exists()
 
 
-def test_each_knob_lowers_one_notch_to_its_floor():
+def test_each_knob_lowers_to_the_share_that_fits_and_stops_at_its_floor():
     from train.plan import _lowered
 
     cfg = parse_args([*TINY, "--run-dir", os.devnull])  # 8 episodes, micro-batches of 2 rows
     assert _lowered(cfg, "remat", 23) == {"remat": "full"}
     assert _lowered(dataclasses.replace(cfg, remat="full"), "remat", 23) is None
-    assert _lowered(cfg, "slots", 23) == {"engine": "continuous", "slots": 4}
+    # slots: at least halved; cut at once to the power of two below the share that fits
+    assert _lowered(cfg, "slots", 23, 0.9) == {"engine": "continuous", "slots": 4}
+    assert _lowered(cfg, "slots", 23, 0.3) == {"engine": "continuous", "slots": 2}
+    assert _lowered(cfg, "slots", 23, -1.0)["slots"] == 1  # nothing beside it fits: the floor
     assert _lowered(dataclasses.replace(cfg, slots=1), "slots", 23) is None
-    # micro-batches of 2 rows of 24 padded tokens (48): the power of two below, 32; then one row
-    assert _lowered(cfg, "micro_batch_tokens", 23) == {"micro_batch_tokens": 32, "micro_batches": 1}
-    budget = dataclasses.replace(cfg, micro_batches=1, micro_batch_tokens=32)
-    assert _lowered(budget, "micro_batch_tokens", 23)["micro_batch_tokens"] == 24
+    # micro-batches of 2 rows of 24 padded tokens (48 tokens): halved is one row, the floor
+    assert _lowered(cfg, "micro_batch_tokens", 23) == {"micro_batch_tokens": 24, "micro_batches": 1}
+    budget = dataclasses.replace(cfg, micro_batches=1, micro_batch_tokens=4096)
+    assert _lowered(budget, "micro_batch_tokens", 23, 0.1)["micro_batch_tokens"] == 256
     one_row = dataclasses.replace(cfg, micro_batches=1, micro_batch_tokens=24)
     assert _lowered(one_row, "micro_batch_tokens", 23) is None
 

@@ -402,8 +402,16 @@ def _category(program: str) -> str:
     return next(k for k in KNOBS if program.startswith(k))
 
 
-def _lowered(cfg, field: str, max_len: int) -> dict | None:
-    """The changes that lower ``field`` one notch from ``cfg``'s value, or None at its floor."""
+def _below(value: int, scale: float, floor: int) -> int:
+    """The largest power of two <= value x scale (at most value / 2), never below ``floor``."""
+    target = max(1, min(value // 2, int(value * max(scale, 0.0))))
+    return max(floor, 1 << (target.bit_length() - 1))
+
+
+def _lowered(cfg, field: str, max_len: int, scale: float = 0.5) -> dict | None:
+    """The changes that lower ``field`` from ``cfg``'s value, or None at its floor. ``scale``:
+    the share of the program's own bytes that would fit (a knob that scales it is cut to the
+    power of two below that share at once, at least halved)."""
     from mpo_jax.batch import padded_length
 
     if field == "remat":
@@ -411,13 +419,14 @@ def _lowered(cfg, field: str, max_len: int) -> dict | None:
     if field == "slots":
         episodes = cfg.prompts_per_step * cfg.group_size
         current = min(cfg.slots or episodes, episodes)
-        return {"engine": "continuous", "slots": current // 2} if current > 1 else None
+        if current <= 1:
+            return None
+        return {"engine": "continuous", "slots": _below(current, scale, 1)}
     width = padded_length(max_len)
     current = cfg.micro_batch_tokens or micro_rows(cfg, max_len) * width
     if current <= width:
         return None  # one row of --max-len: the budget cannot go lower
-    budget = max(width, 1 << ((current - 1).bit_length() - 1))  # the power of two below
-    return {"micro_batch_tokens": budget, "micro_batches": 1}
+    return {"micro_batch_tokens": _below(current, scale, width), "micro_batches": 1}
 
 
 def _search(cfg, limit, platform, given, tries, say, plan=None):
@@ -427,8 +436,10 @@ def _search(cfg, limit, platform, given, tries, say, plan=None):
     while not plan.fits and tries > 0:
         tries -= 1
         step = None
-        for field in KNOBS[_category(plan.worst().name)]:
-            lowered = _lowered(cfg, field, max_len)
+        worst = plan.worst()
+        scale = (limit - worst.resident) / max(worst.own, 1)  # the share of it that would fit
+        for field in KNOBS[_category(worst.name)]:
+            lowered = _lowered(cfg, field, max_len, scale)
             if lowered is None:
                 continue
             if any(name in given for name in BLOCKED_BY.get(field, (field,))):
@@ -452,8 +463,10 @@ def propose(
     """Searches the settings left to their defaults until the plan fits ``limit`` bytes a device.
 
     The program that does not fit says which knob to turn (:data:`KNOBS`): fewer decode slots
-    (``--slots``, halved: more episodes in flight than slots), ``--remat full``, a smaller
-    ``--micro-batch-tokens`` (halved, down to one row of ``--max-len``). Fields in ``given`` (the
+    (``--slots``: more episodes in flight than slots), ``--remat full``, a smaller
+    ``--micro-batch-tokens`` (down to one row of ``--max-len``); a knob that scales the
+    program's own bytes is cut at once to the power of two below the share that would fit (at
+    least halved), then the plan is compiled again. Fields in ``given`` (the
     user's own flags) are never changed; when they stand in the way, the search is run again
     without them and ``blocked`` holds what would fit. When nothing fits on these devices,
     ``needs`` names the way out: more devices with fsdp, or a shorter ``--max-len``."""
