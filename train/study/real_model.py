@@ -255,9 +255,15 @@ def markdown(results: dict[str, Any]) -> str:
                 for seed, f in sorted(p["seeds"].items())
             )
             lift = _pct(end["mean"] - start["success"])
+            over_seeds = end["n"] > 1  # one seed: its own (Wilson) interval is in the row
+            end_text = (
+                _pct(end["mean"], end["low"], end["high"]) if over_seeds else _pct(end["mean"])
+            )
+            auc_text = (
+                _pct(auc["mean"], auc["low"], auc["high"]) if over_seeds else _pct(auc["mean"])
+            )
             lines.append(
-                f"| {preset} | {end['n']} | {_pct(end['mean'], end['low'], end['high'])} "
-                f"| {lift} | {_pct(auc['mean'], auc['low'], auc['high'])} | {each} "
+                f"| {preset} | {end['n']} | {end_text} | {lift} | {auc_text} | {each} "
                 f"| {p['wall_s']['mean'] / 60:.0f} |"
             )
         lines += ["", "Per run: training format errors (% of turns) by step, and phase costs.", ""]
