@@ -34,6 +34,7 @@ __all__ = [
     "EPISODE_INFO",
     "Episode",
     "record_turn",
+    "start_episodes",
     "record_result",
     "record_failure",
     "to_batch",
@@ -213,11 +214,24 @@ def collect(
     :func:`mpo_jax.batch.padded_length` of its longest row (never beyond ``max_len``).
     """
     t0 = time.perf_counter()
-    b = len(envs)
-    if len(group_ids) != b:
-        raise ValueError(f"group_ids: {len(group_ids)} ids for {b} environments")
-    episodes = []
-    prompts = []
+    episodes, prompts = start_episodes(envs, codec, group_ids, max_len, max_new_tokens)
+    policy.start(prompts)
+    try:
+        _play(episodes, envs, codec, policy, max_len, max_new_tokens, temperature, seed)
+    finally:
+        close = getattr(policy, "close", None)
+        if close is not None:
+            close()
+    return to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0)
+
+
+def start_episodes(envs, codec, group_ids, max_len, max_new_tokens):
+    """(episodes, prompts): each env reset, its prompt rendered once and booked as the start of
+    its :class:`Episode`. Raises ``ValueError`` for a group id count that differs from the
+    environments' or a prompt that leaves no room for a turn in ``max_len``."""
+    if len(group_ids) != len(envs):
+        raise ValueError(f"group_ids: {len(group_ids)} ids for {len(envs)} environments")
+    episodes, prompts = [], []
     for env in envs:
         prompt = codec.prompt(env.reset(), env.tools)
         if len(prompt) + max_new_tokens > max_len:
@@ -228,14 +242,7 @@ def collect(
         ep.append(prompt, action=False)
         episodes.append(ep)
         prompts.append(prompt)
-    policy.start(prompts)
-    try:
-        _play(episodes, envs, codec, policy, max_len, max_new_tokens, temperature, seed)
-    finally:
-        close = getattr(policy, "close", None)
-        if close is not None:
-            close()
-    return to_batch(episodes, envs, codec, group_ids, max_len, max_step_keys, t0)
+    return episodes, prompts
 
 
 def _play(episodes, envs, codec, policy, max_len, max_new_tokens, temperature, seed) -> None:

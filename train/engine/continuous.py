@@ -48,12 +48,12 @@ import numpy as np
 
 from envs.base import Env
 from envs.rollout import (
-    Episode,
     Rollouts,
     record_failure,
     record_result,
     record_turn,
     round_seed,
+    start_episodes,
     to_batch,
 )
 
@@ -156,22 +156,10 @@ def collect_continuous(
     ):
         if value < low:
             raise ValueError(f"{name}: must be >= {low}, got {value}")
-    if len(group_ids) != n:
-        raise ValueError(f"group_ids: {len(group_ids)} ids for {n} environments")
     if env_timeout is not None and not env_workers:
         raise ValueError("env_timeout: needs env_workers > 0 (an inline step cannot be timed out)")
     slots = min(slots, n)
-    episodes, prompts = [], []
-    for env in envs:
-        prompt = codec.prompt(env.reset(), env.tools)
-        if len(prompt) + max_new_tokens > max_len:
-            raise ValueError(
-                f"max_len: {max_len} leaves no room for a turn after a {len(prompt)}-token prompt"
-            )
-        ep = Episode([], [], [], [], [], [len(prompt)])
-        ep.append(prompt, action=False)
-        episodes.append(ep)
-        prompts.append(prompt)
+    episodes, prompts = start_episodes(envs, codec, group_ids, max_len, max_new_tokens)
     loop = _Loop(
         episodes, envs, codec, sampler, slots, chunk, max_len, max_new_tokens, env_workers,
         env_timeout, publish, recompute,
