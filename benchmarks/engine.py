@@ -135,7 +135,7 @@ def workload(task: str):
     raise SystemExit(f"--tasks: unknown workload {task!r}; choose synthetic or search")
 
 
-def run_once(config, model, codec, make, max_len, episodes, latency, new, chunk):
+def run_once(config, model, codec, make, max_len, episodes, latency, new, chunk, refill=0.0):
     batch = make(episodes, latency)
     sampler = Sampler(model, capacity=max_len)
     args = dict(
@@ -156,7 +156,7 @@ def run_once(config, model, codec, make, max_len, episodes, latency, new, chunk)
         slots = episodes if config == "engine" else max(1, episodes // 2)
         out = collect_continuous(
             batch, codec, sampler, **args, slots=slots, chunk=chunk, env_workers=episodes,
-            recompute=config != "engine-half-hold",
+            recompute=config != "engine-half-hold", refill=refill,
         )  # fmt: skip
         wall = time.perf_counter() - t0
         util, idle = out.stats.utilisation, out.stats.device_idle
@@ -201,13 +201,15 @@ def main() -> None:
     p.add_argument("--new", type=int, default=48, help="tokens a turn at most")
     p.add_argument("--chunk", type=int, default=16, help="decode steps a chunk")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--refill", type=float, default=0.0, help="collect_continuous's refill")
     p.add_argument("--configs", default=",".join(CONFIGS))
     args = p.parse_args()
     latencies = [float(x) for x in args.latencies.split(",")]
     configs = args.configs.split(",")
     print(
         f"{args.episodes} episodes, turns of <= {args.new} tokens, chunks of {args.chunk}, "
-        f"tool latency log-normal (sigma 0.5) at the medians given; jax {jax.__version__} on "
+        f"refill {args.refill:g}, tool latency log-normal (sigma 0.5) at the medians given; "
+        f"jax {jax.__version__} on "
         f"{jax.devices()[0].platform}, {jnp.zeros(()).dtype}; medians of {args.reps}"
     )
     print(
@@ -233,6 +235,7 @@ def main() -> None:
                         latency,
                         args.new,
                         args.chunk,
+                        args.refill,
                     )  # fmt: skip
                     for _ in range(args.reps)
                 ]

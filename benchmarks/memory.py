@@ -1,6 +1,7 @@
 """The memory plan checked against a measured training step.
 
     python benchmarks/memory.py [--layers 4 --max-len 1024 --preset mpo]
+    python benchmarks/memory.py --device-memory 3e9   # the plan chooses, the step measures it
 
 A random checkpoint with Qwen3-0.6B's real widths (width 1,024, 16 query and 8 key-value heads
 of 128, MLP 3,072, vocabulary 151,936, tied; ``--layers`` of its 28) and the real tokenizer
@@ -10,6 +11,10 @@ tokenizer, the search index), is the measured peak. Beside it, ``train.plan``'s 
 the same flags (one CPU device). The plan assumes worst-case rows (``--max-len`` tokens, every
 one an action token); the run's episodes are sized to reach ``--max-len`` (a random policy
 never answers and is cut by length), so the two describe the same step.
+
+With ``--device-memory BYTES`` the remat and the micro-batches are left to the plan: it proposes
+the settings that fit that many bytes (:func:`train.plan.propose`, as ``train.run`` does at
+start-up on an accelerator), and the step is measured with the settings it chose.
 """
 
 from __future__ import annotations
@@ -58,12 +63,13 @@ def write_checkpoint(folder: Path, layers: int) -> None:
 
 
 def run_flags(folder: Path, args) -> list[str]:
+    chosen_by_plan = ["--micro-batches", str(args.rows), "--remat", "full"]
     return [
         "--model-path", str(folder), "--env", "search", "--preset", args.preset,
         "--max-len", str(args.max_len), "--max-new-tokens", "128", "--env-set", "max_turns=16",
         "--prompts-per-step", "1", "--group-size", str(args.rows), "--minibatches", "1",
-        "--micro-batches", str(args.rows), "--remat", "full", "--compute-dtype", "float32",
-        "--eval-every", "0", "--no-progress", "--drop-long-tasks",
+        "--compute-dtype", "float32", "--eval-every", "0", "--no-progress", "--drop-long-tasks",
+        *([] if args.device_memory else chosen_by_plan),
     ]  # fmt: skip
 
 
@@ -89,6 +95,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--rows", type=int, default=2, help="rollout rows (one micro-batch each)")
     p.add_argument("--preset", default="mpo")
+    p.add_argument("--device-memory", type=float, default=0.0, help="let the plan choose for it")
     p.add_argument("--measure", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure:
@@ -101,6 +108,16 @@ def main() -> None:
         folder = Path(tmp) / "ckpt"
         write_checkpoint(folder, args.layers)
         flags = run_flags(folder, args)
+        chosen = ""
+        if args.device_memory:
+            from train.plan import propose
+
+            cfg = parse_args([*flags, "--run-dir", tmp])
+            proposal = propose(cfg, limit=int(args.device_memory), given=cfg.given_fields)
+            if not proposal.plan.fits:
+                raise SystemExit(f"--device-memory: {proposal.verdict()}")
+            chosen = proposal.flags()
+            flags += chosen.split()
         child = subprocess.run(
             [sys.executable, __file__, "--measure", json.dumps(flags)],
             capture_output=True,
@@ -116,6 +133,8 @@ def main() -> None:
         f"Qwen3-0.6B widths, {args.layers} layers, float32, remat full, {args.preset}, search, "
         f"--max-len {args.max_len}, {args.rows} rows; {measured['tokens']} tokens in the step"
     )
+    if args.device_memory:
+        print(f"the plan's choice for {args.device_memory / GIB:.2f} GiB: {chosen or 'as given'}")
     print("| | GiB |")
     print("|---|---|")
     print(f"| plan: peak per device ({plan.worst().name}) | {plan.peak / GIB:.2f} |")

@@ -73,11 +73,16 @@ def test_one_slot_per_episode_and_whole_turn_chunks_reproduce_lockstep_bit_for_b
     assert engine.stats.chunks == max(ep["turns"] for ep in engine.episodes)
 
 
-@pytest.mark.parametrize("slots,chunk,workers", [(1, 3, 0), (3, 64, 2), (6, 1, 3)])
+# refill: chunks that end early once a share of their slots ended their turns
+@pytest.mark.parametrize(
+    "slots,chunk,workers,refill", [(1, 3, 0, 0.0), (3, 64, 2, 0.5), (6, 1, 3, 0.0)]
+)
 def test_every_episode_runs_once_to_its_end_and_every_slot_is_freed(
-    nav_model, slots, chunk, workers
+    nav_model, slots, chunk, workers, refill
 ):
-    out = _run(nav_model, engine=True, n=7, slots=slots, chunk=chunk, env_workers=workers)
+    out = _run(
+        nav_model, engine=True, n=7, slots=slots, chunk=chunk, env_workers=workers, refill=refill
+    )
     validate(out.batch)
     assert len(out.episodes) == 7
     for i, ep in enumerate(out.episodes):
@@ -159,14 +164,16 @@ def _torch_greedy(torch_model, prefix, n):
     return out[0, len(prefix) :].tolist()
 
 
-@pytest.mark.parametrize("slots,chunk,workers", [(5, 6, 0), (1, 3, 2), (3, 1, 2)])
-def test_greedy_turns_equal_transformers_whatever_the_slots(tiny_qwen3, slots, chunk, workers):
+@pytest.mark.parametrize("slots,chunk,workers,refill", [(3, 6, 0, 0.5), (1, 3, 2, 0), (3, 1, 2, 0)])
+def test_greedy_turns_equal_transformers_whatever_the_slots(
+    tiny_qwen3, slots, chunk, workers, refill
+):
     torch_model, model = tiny_qwen3
     talks = [_Talk(p, delay=0.01 * (i % 3) if workers else 0.0) for i, p in enumerate(PROMPTS)]
     out = collect_continuous(
         talks, _Codec(), Sampler(model, capacity=64), group_ids=list(range(len(talks))),
         max_len=64, max_new_tokens=6, temperature=0.0, slots=slots, chunk=chunk,
-        env_workers=workers,
+        env_workers=workers, refill=refill,
     )  # fmt: skip
     for i, talk in enumerate(talks):
         prefix = list(PROMPTS[i])

@@ -301,7 +301,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         _decode_jit, actor_def, max_len, actor, cache, host((rows,), jnp.int32),
         host((rows, vocab), jnp.float32), host((rows,), bool), host((rows,), jnp.int32),
         jax.random.key(0), max_new,
-        cfg.temperature, 0, 1.0, (1,),
+        cfg.temperature, 0, 1.0, (1,), jnp.int32(1),
     )  # fmt: skip
     programs.append(Program("sampler decode", _own(decode, actor_bytes), resident, rollout_flags))
 

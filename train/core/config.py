@@ -370,7 +370,8 @@ HELP: dict[str, str] = {
     "environments answered between chunks; its defaults reproduce lockstep rounds bit for bit) "
     "or 'lockstep' (the reference loop: one generate call a round)",
     "slots": "decode rows of the continuous engine (0: one per episode); fewer bound the KV "
-    "cache, and an episode waiting on its tool lends its slot to one waiting for a slot",
+    "cache, and an episode waiting on its tool lends its slot to one waiting for a slot; auto: "
+    "as the default, and the start-up memory plan lowers it where the cache does not fit",
     "decode_chunk": "decode steps between the continuous engine's host visits (0: a whole turn "
     "budget); short chunks admit answered episodes sooner",
     "env_workers": "threads stepping environments concurrently in the continuous engine (0: "
@@ -389,7 +390,8 @@ HELP: dict[str, str] = {
     "read at the same name; default: RUN_DIR/rollout-weights)",
     "rollout_weights_dtype": f"dtype of the weights pushed to the servers, one of {DTYPES}",
     "micro_batch_tokens": "instead of --micro-batches: micro-batches (of the update and of "
-    "scoring) of at most this many padded tokens, rows of similar length together (0: off)",
+    "scoring) of at most this many padded tokens, rows of similar length together (0: off); "
+    "auto: off unless the start-up memory plan needs it, then a budget that fits (a power of two)",
     "eval_every": "evaluate every N steps and at the end (0: never; may change on --resume)",
     "eval_episodes": "held-out tasks an evaluation",
     "eval_k": "samples per evaluation task (pass@k)",
@@ -437,6 +439,20 @@ def _base_type(tp):
     return tp
 
 
+# Settings the start-up plan chooses where the defaults do not fit the device (train.plan.propose):
+# ``auto`` leaves them to it, as leaving the flag out does.
+AUTO_FIELDS = ("micro_batch_tokens", "slots")
+
+
+def _int_or_auto(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -451,6 +467,8 @@ def _parser() -> argparse.ArgumentParser:
         text = HELP[f.name] if default is None else f"{HELP[f.name]} (default: {default!r})"
         if f.name in _DICT_FIELDS:
             parser.add_argument(flag, nargs="*", metavar="KEY=VALUE", default=None, help=text)
+        elif f.name in AUTO_FIELDS:
+            parser.add_argument(flag, type=_int_or_auto, default=None, help=text)
         elif tp is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=text

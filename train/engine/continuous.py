@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -127,6 +128,7 @@ def collect_continuous(
     max_step_keys: int | None = None,
     publish: Callable[[], tuple[Any, int] | None] | None = None,
     recompute: bool = True,
+    refill: float = 0.0,
 ) -> Rollouts:
     """One episode in each env, continuously batched; returns the padded batch of
     ``envs.rollout.collect`` (the same episodes, in the same order) with ``stats`` filled.
@@ -141,6 +143,9 @@ def collect_continuous(
         on, or None to keep the current weights.
       recompute: an episode waiting on its environment gives its slot up when others wait for
         one, and recomputes its prefix when it returns (False: it always holds its slot).
+      refill: while work waits for a slot or an answer, a chunk ends once this share of its
+        live slots ended their turns (0, the default: chunks run to ``chunk`` steps or until all
+        are done). It raises utilisation (benchmarks/README.md) but not, on a CPU, episodes/s.
 
     Raises ``ValueError`` for a bad slot, chunk or worker count, or a prompt with no room for a
     turn in ``max_len``.
@@ -162,7 +167,7 @@ def collect_continuous(
     episodes, prompts = start_episodes(envs, codec, group_ids, max_len, max_new_tokens)
     loop = _Loop(
         episodes, envs, codec, sampler, slots, chunk, max_len, max_new_tokens, env_workers,
-        env_timeout, publish, recompute,
+        env_timeout, publish, recompute, refill,
     )  # fmt: skip
     try:
         loop.run(prompts, temperature, seed)
@@ -179,11 +184,12 @@ class _Loop:
 
     def __init__(
         self, episodes, envs, codec, sampler, slots, chunk, max_len, max_new, workers, timeout,
-        publish, recompute,
+        publish, recompute, refill,
     ):  # fmt: skip
         self.episodes, self.envs, self.codec, self.sampler = episodes, envs, codec, sampler
         self.n_slots, self.chunk, self.max_len, self.max_new = slots, chunk, max_len, max_new
         self.timeout, self.publish, self.recompute = timeout, publish, recompute
+        self.refill = refill
         self.queue: collections.deque[int] = collections.deque()  # not started
         self.returning: collections.deque[int] = collections.deque()  # answered, without a slot
         self.prompts: list[list[int]] = []
@@ -259,12 +265,15 @@ class _Loop:
             stop_ids=tuple(self.codec.stop_ids),
             seed=key,
             budgets=budgets,
+            min_live=self._min_live(),
         )
         self.stats.decode_s += time.perf_counter() - started
         lengths = [len(t) for t in gen.tokens]
+        ran = max(lengths)  # the chunk's steps (fewer than chunk: all done, or refill early)
         self.stats.chunks += 1
-        self.stats.slot_steps += self.n_slots * max(lengths)
+        self.stats.slot_steps += self.n_slots * ran
         self.stats.live_steps += sum(lengths)
+        full = self.sampler.lengths >= self.sampler.capacity
         for i in list(self.turns):
             slot, turn = self.slot_of[i], self.turns[i]
             ids = gen.tokens[slot]
@@ -272,9 +281,22 @@ class _Loop:
             turn.logp += gen.logprobs[slot]
             turn.versions += [version] * len(ids)
             turn.left -= len(ids)
-            if gen.stopped[slot] or turn.left <= 0 or len(ids) < min(self.chunk, budgets[slot]):
+            ended = gen.stopped[slot] or turn.left <= 0 or full[slot]
+            if ended or len(ids) < min(ran, budgets[slot]):
                 del self.turns[i]
                 self._hand_over(i, turn)
+
+    def _min_live(self) -> int:
+        """The chunk ends once fewer slots than this still decode: while work waits for a
+        slot or an answer (episodes not started, answered ones without a slot, tools running),
+        as soon as ``refill`` of the live slots (at least one, at most as many as wait) have
+        ended their turns, so the host admits the waiting sooner; otherwise when all have."""
+        waiting = len(self.queue) + len(self.returning) + len(self.pending)
+        if not waiting or not self.refill:
+            return 1
+        live = len(self.turns)
+        ended = min(waiting, max(1, math.ceil(self.refill * live)))
+        return max(1, live - ended + 1)
 
     def _hand_over(self, i: int, turn: _Turn) -> None:
         """The turn ended: book it and give its text to the environment."""

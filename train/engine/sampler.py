@@ -280,12 +280,15 @@ class Sampler:
         seed: int = 0,
         active: Sequence[bool] | None = None,
         budgets: Sequence[int] | None = None,
+        min_live: int = 1,
     ) -> Generation:
         """Samples up to ``max_new_tokens`` for every active row, continuing each conversation.
 
         A row stops after a stop id (which is kept), at ``max_new_tokens``, at its own budget
         (``budgets[i]`` tokens, at most ``max_new_tokens``; 0: the row is inactive), or at
-        capacity. ``seed`` is an int or a JAX PRNG key.
+        capacity. ``seed`` is an int or a JAX PRNG key. ``min_live``: the call returns as soon
+        as fewer rows than this are still sampling (the slot engine hands freed rows to waiting
+        episodes sooner; rows not done then continue in the next call); 1: when all are done.
         """
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
@@ -315,6 +318,7 @@ class Sampler:
                 int(top_k),
                 float(top_p),
                 tuple(int(s) for s in stop_ids),
+                jnp.int32(min_live),
             )
             self.lengths = np.asarray(lengths)
             out, out_lp = np.asarray(out), np.asarray(out_lp)
@@ -376,15 +380,16 @@ def _decode_jit(
     top_k,
     top_p,
     stop_ids,
+    min_live,
 ):
     model = nnx.merge(graphdef, state)
     b = lengths.shape[0]
     limit = jnp.int32(capacity)
     stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
 
-    def cond(carry):
+    def cond(carry):  # with min_live 1: until every row is done
         step, _, _, _, done, *_ = carry
-        return (step < steps) & ~jnp.all(done)
+        return (step < steps) & (jnp.sum(~done) >= min_live)
 
     def body(carry):
         step, cache, lengths, logits, done, stopped, key, out, out_lp = carry
