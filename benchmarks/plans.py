@@ -1,6 +1,7 @@
 """What fits where: ``train.plan`` over the Qwen3 family, sequence lengths and device counts.
 
     python benchmarks/plans.py [--models qwen3-0.6b,qwen3-4b] [--lengths 8192] [--devices 1,8]
+    python benchmarks/plans.py --propose 141e9 --models qwen3-4b --lengths 16384 --devices 8
 
 For each (model, length, devices) the memory plan of one recipe (below) is compiled on fake CPU
 devices (``benchmarks/configs/<model>/config.json``: the released models' architectures), and the
@@ -10,6 +11,10 @@ starts). The recipe, the same for every model: ``--preset mpo`` (actor, critic a
 ``--compute-dtype bfloat16`` with float32 weights and moments, ``--remat full``, the ``search``
 environment; one device: 4 tasks x 4 rollouts, micro-batches of one row; several devices: fsdp
 over all of them, 8 tasks x 8 rollouts, one row a device per micro-batch. ``--extra`` adds flags.
+
+``--propose BYTES``: the defaults instead (256 episodes a step, remat, slots and micro-batches
+left to the plan) on a device of BYTES (``--platform gpu``), and the settings the plan chose to
+fit beside each row, or what it says would fit.
 """
 
 from __future__ import annotations
@@ -24,6 +29,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-30b-a3b")
 H200, V5P = 141e9, 95e9
+
+
+def proposal_flags(model: str, length: int, devices: int, memory: float) -> list[str]:
+    flags = [
+        "--model-path", str(ROOT / "benchmarks" / "configs" / model), "--env", "search",
+        "--max-len", str(length), "--devices", str(devices), "--device-memory", str(memory),
+        "--platform", "gpu",
+    ]  # fmt: skip
+    return flags + (["--mesh", f"1,{devices},1"] if devices > 1 else [])
 
 
 def recipe(model: str, length: int, devices: int, extra: list[str]) -> list[str]:
@@ -42,8 +56,9 @@ def recipe(model: str, length: int, devices: int, extra: list[str]) -> list[str]
     return flags + extra
 
 
-def plan(flags: list[str]) -> tuple[float, str]:
-    """(peak GiB per device, the program at the peak) of one plan, in a fresh process."""
+def plan(flags: list[str]) -> tuple[float, str, str]:
+    """(peak GiB per device, the program at the peak, the verdict after the peak) of one plan,
+    in a fresh process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
         [sys.executable, "-m", "train.plan", *flags], env=env, capture_output=True, text=True
@@ -54,7 +69,8 @@ def plan(flags: list[str]) -> tuple[float, str]:
     peak = float(re.search(r"peak per device: ([\d.]+) GiB", lines[-1]).group(1))
     rows = [line for line in lines if line.startswith("| ") and line.count("|") == 5]
     worst = max(rows[1:], key=lambda r: float(r.split("|")[4]))
-    return peak, worst.split("|")[1].strip()
+    verdict = lines[-1].split(": ", 2)[-1]
+    return peak, worst.split("|")[1].strip(), verdict
 
 
 def main() -> None:
@@ -63,15 +79,27 @@ def main() -> None:
     p.add_argument("--lengths", default="8192,16384,32768")
     p.add_argument("--devices", default="1,8")
     p.add_argument("--extra", default="", help="more train.run flags for every plan")
+    p.add_argument("--propose", type=float, default=0.0, help="device bytes: let the plan choose")
     args = p.parse_args()
     extra = args.extra.split()
+    if args.propose:
+        print(f"defaults; remat, slots, micro-batches chosen by the plan for {args.propose:.3g} B")
+        print("| model | tokens | devices | peak GiB / device | verdict |")
+        print("|---|---|---|---|---|")
+        for model in args.models.split(","):
+            for length in (int(x) for x in args.lengths.split(",")):
+                for devices in (int(x) for x in args.devices.split(",")):
+                    flags = proposal_flags(model, length, devices, args.propose) + extra
+                    peak, _, verdict = plan(flags)
+                    print(f"| {model} | {length:,} | {devices} | {peak:.1f} | {verdict} |")
+        return
     print(f"recipe: {' '.join(recipe('MODEL', 0, 8, extra)[2:])} (see the docstring)")
     print("| model | tokens | devices | peak GiB / device | at | H200 141 GB | v5p 95 GB |")
     print("|---|---|---|---|---|---|---|")
     for model in args.models.split(","):
         for length in (int(x) for x in args.lengths.split(",")):
             for devices in (int(x) for x in args.devices.split(",")):
-                peak, worst = plan(recipe(model, length, devices, extra))
+                peak, worst, _ = plan(recipe(model, length, devices, extra))
                 fits = ["fits" if peak * 2**30 <= mem else "no" for mem in (H200, V5P)]
                 print(
                     f"| {model} | {length:,} | {devices} | {peak:.1f} | {worst} | {fits[0]} "

@@ -493,8 +493,15 @@ def _needs(plan: Plan, limit: int) -> str:
     devices = plan.devices * max(
         2, 1 << int(np.ceil(np.log2(max(1.0, 2 * plan.resident_state / limit))))
     )
+    if plan.resident_state > limit:
+        why = (
+            f"the weights, moments and reference alone take {plan.resident_state / GIB:.2f} GiB "
+            "a device"
+        )
+    else:
+        why = f"{plan.worst().name} at its floor"
     return (
-        f"nothing on {plan.devices} device(s) fits ({plan.worst().name} at its floor); try "
+        f"nothing on {plan.devices} device(s) fits ({why}); try "
         f"{devices} devices with fsdp (--mesh 1,{devices},1), a shorter --max-len, or fewer "
         "trained parameters (LoRA, not built yet)"
     )

@@ -254,6 +254,10 @@ class UpdateFns:
         self.critic_grad = jax.jit(jax.value_and_grad(self._critic_loss, has_aux=True))
         # parameters and optimizer state are donated: the update writes in place
         self.apply = jax.jit(self._apply, static_argnums=(0,), donate_argnums=(1, 2))
+        # micro-batch gradients summed into the accumulator in place (an eager tree.map would
+        # hold the old sum, the new one and the micro-batch's gradients at once: one more
+        # parameter-sized buffer than the memory plan counts)
+        self.accumulate = jax.jit(_add_trees, donate_argnums=(0,))
 
     def init_fn(self, which, params):
         """The jitted initialiser of ``which``'s optimizer state for ``params`` (arrays or
@@ -405,3 +409,7 @@ def split_micro(batch: TurnBatch, parts: int, names=(), *, max_tokens: int = 0, 
         return
     for chunk in np.array_split(np.arange(len(batch.tokens)), parts):
         yield ActionRows.of(batch.take_rows(chunk), names)
+
+
+def _add_trees(acc, grads):
+    return jax.tree.map(jnp.add, acc, grads)

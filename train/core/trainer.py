@@ -498,7 +498,7 @@ class Trainer:
                 if self.micro_sharding is not None:
                     micro = put_global(micro, self.micro_sharding)
                 (micro_loss, m), g = grad_fn(self.state[which], micro, *extra)
-                grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+                grads = g if grads is None else self.fns.accumulate(grads, g)
                 loss = loss + micro_loss
                 if which == "actor":
                     sums = {

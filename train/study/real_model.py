@@ -221,7 +221,7 @@ def _phase(figures: dict, phase: str) -> str:
     return f"{seconds:.0f} ({figures.get(f'{phase}_tok_s', float('nan')):.0f})"
 
 
-def markdown(results: dict[str, Any]) -> str:
+def markdown(results: dict[str, Any], exported: dict[str, Any] | None = None) -> str:
     lines = [
         "# A real model learns: results",
         "",
@@ -278,6 +278,22 @@ def markdown(results: dict[str, Any]) -> str:
                 phases = " | ".join(_phase(f, ph) for ph in PHASES)
                 lines.append(f"| {preset} s{seed} | {errors} | {phases} |")
         lines.append("")
+    if exported is not None:
+        run_end, export_end = exported["run_last_eval"], exported["export_eval"]
+        c = exported["cell"]
+        lines += [
+            "## The best run, exported",
+            "",
+            f"`{c['preset']}` seed {c['seed']} exported with `train.export` (float32) and loaded "
+            f"with transformers: its logits equal the run's own to "
+            f"{exported['logits_max_abs_diff']:.1e} (max abs) on a held-out prompt. "
+            f"`train.evaluate` on the export, {exported['export_episodes']} held-out episodes: "
+            f"{_pct(*export_end)}; the run's last evaluation: {_pct(*run_end)}. "
+            + ("Within its interval." if exported["agrees"] else "Outside its interval."),
+            "",
+            f"    {exported['command']}",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -316,6 +332,80 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     return paths
 
 
+EXPORT_TASKS, EXPORT_K, EXPORT_SEED = 48, 2, 100  # 96 held-out episodes for the export's check
+
+
+def best_run(results: dict[str, Any]) -> tuple[Cell, dict] | None:
+    """The finished run of the main game with the highest held-out end (then AUC)."""
+    entry = results.get(MAIN_GAME, {})
+    runs = [
+        (Cell(MAIN_GAME, preset, int(seed)), f)
+        for preset, p in entry.get("presets", {}).items()
+        for seed, f in p["seeds"].items()
+    ]
+    return max(runs, key=lambda r: (r[1]["heldout_final"], r[1]["heldout_auc"]), default=None)
+
+
+def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, Any]:
+    """Exports the best run (``train.export``, float32) to ``<runs>/export-best``, loads it with
+    transformers and compares its logits with the run's own on one held-out prompt, then
+    evaluates the export with ``train.evaluate`` on :data:`EXPORT_TASKS` x :data:`EXPORT_K`
+    held-out episodes; ``agrees``: the export's rate lies within the run's last evaluation's
+    Wilson interval."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    import envs
+    from train import export
+    from train.core.build import model_config, restore_model, run_codec, run_config
+
+    found = best_run(results)
+    if found is None:
+        raise SystemExit("--export-best: no finished run of the main game yet")
+    cell, figures = found
+    run_dir, out = cell.run_dir(root), Path(root) / "export-best"
+    if not (out / "config.json").exists():
+        export.export(run_dir, out, dtype="float32")
+    cfg = run_config(run_dir)
+    env = envs.make(cell.game, seed=0, split="test")
+    codec = run_codec(cfg, env)
+    ids = np.asarray([codec.prompt(env.reset(), env.tools)], np.int32)
+    ours = np.asarray(restore_model(run_dir, model_config(cfg, codec))(jnp.asarray(ids)))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
+    evaluated = out.parent / "export-best-eval"
+    args = [
+        "--model-path", str(out), "--env", cell.game, "--episodes", str(EXPORT_TASKS),
+        "--k", str(EXPORT_K), *TURN, "--seed", str(EXPORT_SEED), "--out", str(evaluated),
+    ]  # fmt: skip
+    if not (evaluated / "metrics.json").exists():
+        proc = subprocess.run(
+            [sys.executable, "-m", "train.evaluate", *args],
+            env=child_env(0, compile_cache(root)),
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"train.evaluate of the export exited {proc.returncode}:\n"
+                               f"{proc.stderr[-3000:]}")  # fmt: skip
+    measured = json.loads((evaluated / "metrics.json").read_text())
+    episodes = EXPORT_TASKS * EXPORT_K
+    rate = measured["eval_heldout_success_rate"]
+    low, high = figures["heldout_final_wilson"]
+    return {
+        "run": str(run_dir),
+        "cell": dataclasses.asdict(cell),
+        "run_last_eval": [figures["heldout_final"], low, high],
+        "export_eval": list(wilson(round(rate * episodes), episodes)),
+        "export_episodes": episodes,
+        "logits_max_abs_diff": float(np.abs(ours - theirs).max()),
+        "agrees": bool(low <= rate <= high),
+        "command": f"python -m train.evaluate {' '.join(args)}",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.study.real_model", description=__doc__.split("\n")[0]
@@ -324,9 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", default="runs/real-model", help="where the runs go")
     parser.add_argument("--out", default="benchmarks/real_model", help="where the report goes")
     parser.add_argument("--report-only", action="store_true", help="aggregate existing runs only")
+    parser.add_argument(
+        "--export-best", action="store_true", help="export the best run and check the export"
+    )
     args = parser.parse_args(argv)
     root = Path(args.runs)
-    if not args.report_only:
+    if not args.report_only and not args.export_best:
         if not (Path(args.model_path) / "config.json").exists():
             raise SystemExit(f"--model-path: no converted model at {args.model_path}; run "
                              "`make smollm2` first")  # fmt: skip
@@ -342,8 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     results = summarise(root, args.model_path)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.export_best:
+        check = export_best(root, results, args.model_path)
+        (out / "export.json").write_text(json.dumps(check, indent=1) + "\n")
+    exported = None
+    if (out / "export.json").exists():
+        exported = json.loads((out / "export.json").read_text())
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results))
+    (out / "results.md").write_text(markdown(results, exported))
     plot(results, out)
     print(f"wrote {out}/results.md, results.json and curves_*.png")
     return 0
