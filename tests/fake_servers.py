@@ -52,6 +52,7 @@ class FakeServer:
         self.paused_during_reload: list[bool] = []
         self.paused = False
         self.die_at: tuple[int, int] | None = None  # (reloads, requests after the last one)
+        self.abort_next = 0  # answers to come that say the request was aborted
         self._since_reload = 0
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"fake": self})
@@ -77,7 +78,9 @@ class FakeServer:
                     raise ConnectionAbortedError("the server died")
                 self.requests.append(body)
                 self._since_reload += 1
-            return self._vllm(body) if self.kind == "vllm" else self._sglang(body)
+                aborted, self.abort_next = self.abort_next > 0, max(0, self.abort_next - 1)
+            answer = self._vllm(body) if self.kind == "vllm" else self._sglang(body)
+            return self._abort(answer) if aborted else answer
         routes = {
             "vllm": {
                 "/pause": self._pause,
@@ -94,6 +97,20 @@ class FakeServer:
         if path not in routes:
             raise LookupError(path)
         return routes[path](query, body)
+
+    def _abort(self, answer: dict) -> dict:
+        """The answer an abort gives: what was sampled so far, finish reason ``abort``."""
+        if self.kind == "vllm":
+            choice = answer["choices"][0]
+            choice.update(
+                finish_reason="abort", stop_reason=None, token_ids=choice["token_ids"][:1]
+            )
+            choice["logprobs"]["token_logprobs"] = choice["logprobs"]["token_logprobs"][:1]
+        else:
+            meta = answer["meta_info"]
+            meta["finish_reason"] = {"type": "abort", "message": "Abort before prefill"}
+            meta["output_token_logprobs"] = meta["output_token_logprobs"][:1]
+        return answer
 
     def _pause(self, query, body):
         if self.kind == "vllm" and query.get("mode", ["abort"])[0] not in ("abort", "wait", "keep"):

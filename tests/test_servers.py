@@ -103,6 +103,18 @@ def test_a_server_that_dies_mid_step_ends_the_run_which_resumes_on_a_new_one(
     assert [f.rsplit("/", 1)[-1] for f, _ in fresh.reloads] == ["v1"]
 
 
+def test_an_aborted_turn_is_asked_again_never_booked_as_cut(server):
+    servers = connect(server.kind, [server.url], retries=2)
+    ids = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
+    kwargs = dict(max_new_tokens=5, temperature=1.0, stop_ids=(151645,), seed=3)
+    server.abort_next = 2
+    got = servers.generate(ids, **kwargs)
+    assert got == server.generator.generate(ids, **kwargs) and len(server.requests) == 3
+    server.abort_next = 3
+    with pytest.raises(ServerError, match=rf"{server.url}: POST .* aborted by the server 3 times"):
+        servers.generate(ids, **kwargs)
+
+
 def test_a_server_error_names_the_server_and_the_endpoint(server):
     servers = connect(server.kind, [server.url], retries=0)
     with pytest.raises(ServerError, match=rf"{server.kind} server {server.url}: POST /nowhere"):
@@ -110,6 +122,39 @@ def test_a_server_error_names_the_server_and_the_endpoint(server):
     dead = connect(server.kind, ["http://127.0.0.1:9"], retries=1, timeout=2)
     with pytest.raises(ServerError, match=r"http://127.0.0.1:9: POST .* failed after 2 attempts"):
         dead.generate([1, 2, 3], max_new_tokens=2, temperature=1.0, stop_ids=(), seed=0)
+
+
+def test_an_episode_keeps_to_one_server_and_weights_go_to_every_one():
+    from train.engine.generator import Generation
+    from train.engine.servers import Servers
+
+    class Replica:
+        def __init__(self):
+            self.seen, self.events, self.version = [], [], 0
+
+        def generate(self, ids, **kwargs):
+            self.seen.append(ids[0])
+            return Generation([7], [-0.5], "length", self.version)
+
+        def pause(self):
+            self.events.append("pause")
+
+        def resume(self):
+            self.events.append("resume")
+
+        def load_weights(self, folder, version):
+            self.events.append(f"load {version}")
+
+    replicas = [Replica(), Replica(), Replica()]
+    servers = Servers(replicas)
+    for episode in range(7):
+        for _ in range(2):  # two turns each: the same replica both times
+            servers.generate([episode], max_new_tokens=1, temperature=1.0, stop_ids=(), seed=0,
+                             affinity=episode)  # fmt: skip
+    assert [r.seen for r in replicas] == [[0, 0, 3, 3, 6, 6], [1, 1, 4, 4], [2, 2, 5, 5]]
+    servers.load_weights("/w/v4", 4)
+    assert all(r.events == ["pause", "load 4", "resume"] for r in replicas)
+    assert servers.version == 4
 
 
 @pytest.mark.parametrize(

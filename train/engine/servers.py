@@ -24,6 +24,8 @@ server's prefix cache holds its conversation; weights go to all of them. A reque
 connect or times out is retried (``retries``, backing off); then :class:`ServerError` names the
 server, the endpoint and what went wrong, and the run ends with it (a killed run resumes from its
 last checkpoint). A server's own error answer (HTTP 4xx/5xx) is not retried: it will not change.
+A turn the server aborted (``finish_reason`` ``abort``: an operator's pause in abort mode) is
+asked again from the same ids, never booked as a cut turn.
 """
 
 from __future__ import annotations
@@ -85,6 +87,12 @@ class Server:
             f"attempts: {type(last).__name__}: {last}"
         ) from last
 
+    def _aborted(self, path: str) -> ServerError:
+        return ServerError(
+            f"{self.kind} server {self.url}: POST {path} was aborted by the server "
+            f"{self.retries + 1} times in a row"
+        )
+
     def _bad(self, path: str, answer: Any, what: str) -> ServerError:
         return ServerError(
             f"{self.kind} server {self.url}: POST {path} answered without {what}: "
@@ -109,15 +117,20 @@ class VLLMServer(Server):
             "stop_token_ids": list(map(int, stop_ids)),
             "skip_special_tokens": False,
         }
-        answer = self.post("/v1/completions", body)
-        try:
-            choice = answer["choices"][0]
-            tokens = [int(t) for t in choice["token_ids"]]
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-            finish = choice["finish_reason"]
-        except (KeyError, IndexError, TypeError) as e:
-            raise self._bad("/v1/completions", answer, f"choices[0].{e}") from e
-        return Generation(tokens, logprobs, "stop" if finish == "stop" else "length", version)
+        for _ in range(self.retries + 1):
+            answer = self.post("/v1/completions", body)
+            try:
+                choice = answer["choices"][0]
+                tokens = [int(t) for t in choice["token_ids"]]
+                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+                finish = choice["finish_reason"]
+            except (KeyError, IndexError, TypeError) as e:
+                raise self._bad("/v1/completions", answer, f"choices[0].{e}") from e
+            if finish != "abort":
+                return Generation(
+                    tokens, logprobs, "stop" if finish == "stop" else "length", version
+                )
+        raise self._aborted("/v1/completions")
 
     def pause(self) -> None:
         self.post("/pause", query="mode=wait")
@@ -150,18 +163,22 @@ class SGLangServer(Server):
             },
             "return_logprob": True,
         }
-        answer = self.post("/generate", body)
-        try:
-            meta = answer["meta_info"]
-            triples = meta["output_token_logprobs"]
-            tokens = [int(t[1]) for t in triples]
-            logprobs = [float(t[0]) for t in triples]
-            finish = (meta.get("finish_reason") or {}).get("type")
-        except (KeyError, IndexError, TypeError) as e:
-            raise self._bad("/generate", answer, f"meta_info.{e}") from e
-        reported = str(meta.get("weight_version", ""))  # "default" until a versioned update
-        version = int(reported) if reported.isdigit() else version
-        return Generation(tokens, logprobs, "stop" if finish == "stop" else "length", version)
+        for _ in range(self.retries + 1):
+            answer = self.post("/generate", body)
+            try:
+                meta = answer["meta_info"]
+                triples = meta["output_token_logprobs"]
+                tokens = [int(t[1]) for t in triples]
+                logprobs = [float(t[0]) for t in triples]
+                finish = (meta.get("finish_reason") or {}).get("type")
+            except (KeyError, IndexError, TypeError) as e:
+                raise self._bad("/generate", answer, f"meta_info.{e}") from e
+            if finish == "abort":
+                continue
+            reported = str(meta.get("weight_version", ""))  # "default" until a versioned update
+            version = int(reported) if reported.isdigit() else version
+            return Generation(tokens, logprobs, "stop" if finish == "stop" else "length", version)
+        raise self._aborted("/generate")
 
     def pause(self) -> None:
         self.post("/pause_generation", {"mode": "retract"})
