@@ -499,6 +499,7 @@ class Trainer:
                     micro = put_global(micro, self.micro_sharding)
                 (micro_loss, m), g = grad_fn(self.state[which], micro, *extra)
                 grads = g if grads is None else self.fns.accumulate(grads, g)
+                del g  # not held through the next micro-step or the update (the plan counts one)
                 loss = loss + micro_loss
                 if which == "actor":
                     sums = {
