@@ -49,9 +49,14 @@ def test_a_turn_comes_back_as_our_sampler_samples_it(server):
     if server.kind == "vllm":
         assert body["prompt"] == ids and body["logprobs"] == 0 and body["return_token_ids"]
         assert body["stop_token_ids"] == [151645] and body["max_tokens"] == 6
+        params = body
     else:
         assert body["input_ids"] == ids and body["return_logprob"] is True
         assert body["sampling_params"]["max_new_tokens"] == 6
+        params = body["sampling_params"]
+    # the policy's own distribution: nothing a server default could truncate or penalise
+    assert params["top_p"] == 1.0 and params["top_k"] in (0, -1) and params["min_p"] == 0.0
+    assert params["repetition_penalty"] == 1.0
 
 
 def test_two_steps_train_through_the_server_with_weights_pushed_after_each_update(

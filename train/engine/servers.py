@@ -110,7 +110,12 @@ class VLLMServer(Server):
             "prompt": list(map(int, ids)),
             "max_tokens": int(max_new_tokens),
             "temperature": float(temperature),
+            # every setting the sampled distribution depends on, so the server's own defaults
+            # (vLLM applies the model's generation_config.json) never reshape the policy
             "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
             "seed": int(seed),
             "logprobs": 0,
             "return_token_ids": True,
@@ -156,6 +161,9 @@ class SGLangServer(Server):
                 "max_new_tokens": int(max_new_tokens),
                 "temperature": float(temperature),
                 "top_p": 1.0,
+                "top_k": -1,
+                "min_p": 0.0,
+                "repetition_penalty": 1.0,
                 "stop_token_ids": list(map(int, stop_ids)),
                 "skip_special_tokens": False,
                 "no_stop_trim": True,
