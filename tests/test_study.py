@@ -249,3 +249,19 @@ def test_real_model_report_pools_the_start_and_summarises_seeds(tmp_path):
     assert seed0["rollout_s"] == 9 and seed0["format_error_curve"][1][0] == 1.0
     text = real_model.markdown(results)
     assert "| grpo | 3 | 50 [" in text and "200 held-out episodes" in text
+    # the best run is the highest end (seed 1 here); the export's check reads in the report
+    cell, figures = real_model.best_run(results)
+    assert cell == real_model.Cell(game, "grpo", 1) and figures["heldout_final"] == 0.75
+    exported = {
+        "cell": {"game": game, "preset": "grpo", "seed": 1},
+        "run_last_eval": [0.75, 0.57, 0.87],
+        "export_eval": [0.70, 0.60, 0.78],
+        "export_episodes": 96,
+        "logits_max_abs_diff": 1.5e-4,
+        "agrees": True,
+        "command": "python -m train.evaluate --model-path X",
+    }
+    text = real_model.markdown(results, exported)
+    assert "## The best run, exported" in text and "70 [60, 78]" in text
+    assert "Within its interval." in text and "python -m train.evaluate --model-path X" in text
+    assert real_model.best_run({}) is None
