@@ -20,6 +20,7 @@ fit beside each row, or what it says would fit.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -73,6 +74,15 @@ def plan(flags: list[str]) -> tuple[float, str, str]:
     return peak, worst.split("|")[1].strip(), verdict
 
 
+def grid(args) -> itertools.product:
+    """(model, tokens, devices) of every plan asked for, models outermost."""
+    return itertools.product(
+        args.models.split(","),
+        [int(x) for x in args.lengths.split(",")],
+        [int(x) for x in args.devices.split(",")],
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(MODELS))
@@ -86,26 +96,20 @@ def main() -> None:
         print(f"defaults; remat, slots, micro-batches chosen by the plan for {args.propose:.3g} B")
         print("| model | tokens | devices | peak GiB / device | verdict |")
         print("|---|---|---|---|---|")
-        for model in args.models.split(","):
-            for length in (int(x) for x in args.lengths.split(",")):
-                for devices in (int(x) for x in args.devices.split(",")):
-                    flags = proposal_flags(model, length, devices, args.propose) + extra
-                    peak, _, verdict = plan(flags)
-                    print(f"| {model} | {length:,} | {devices} | {peak:.1f} | {verdict} |")
+        for model, length, devices in grid(args):
+            peak, _, verdict = plan(proposal_flags(model, length, devices, args.propose) + extra)
+            print(f"| {model} | {length:,} | {devices} | {peak:.1f} | {verdict} |", flush=True)
         return
     print(f"recipe: {' '.join(recipe('MODEL', 0, 8, extra)[2:])} (see the docstring)")
     print("| model | tokens | devices | peak GiB / device | at | H200 141 GB | v5p 95 GB |")
     print("|---|---|---|---|---|---|---|")
-    for model in args.models.split(","):
-        for length in (int(x) for x in args.lengths.split(",")):
-            for devices in (int(x) for x in args.devices.split(",")):
-                peak, worst, _ = plan(recipe(model, length, devices, extra))
-                fits = ["fits" if peak * 2**30 <= mem else "no" for mem in (H200, V5P)]
-                print(
-                    f"| {model} | {length:,} | {devices} | {peak:.1f} | {worst} | {fits[0]} "
-                    f"| {fits[1]} |",
-                    flush=True,
-                )
+    for model, length, devices in grid(args):
+        peak, worst, _ = plan(recipe(model, length, devices, extra))
+        fits = ["fits" if peak * 2**30 <= mem else "no" for mem in (H200, V5P)]
+        print(
+            f"| {model} | {length:,} | {devices} | {peak:.1f} | {worst} | {fits[0]} | {fits[1]} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -245,9 +245,10 @@ class TrainConfig:
             raise ValueError(
                 f"rollout_weights_dtype: {self.rollout_weights_dtype!r} is not one of {DTYPES}"
             )
-        for name in ("rollout_concurrency", "rollout_timeout"):
-            if getattr(self, name) < 0 or (name == "rollout_timeout" and not self.rollout_timeout):
-                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.rollout_concurrency < 0:
+            raise ValueError(f"rollout_concurrency: must be >= 0, got {self.rollout_concurrency}")
+        if not self.rollout_timeout > 0:
+            raise ValueError(f"rollout_timeout: must be > 0, got {self.rollout_timeout}")
         if self.rollout_backend == "jax":
             if self.rollout_url:
                 raise ValueError(

@@ -103,11 +103,8 @@ class SamplerGenerator:
                 )
             finally:
                 s.close()
-            tokens = out.tokens[0]
-            stopped = bool(tokens) and tokens[-1] in set(stop_ids)
-            return Generation(
-                tokens, out.logprobs[0], "stop" if stopped else "length", self.version
-            )
+            finish = "stop" if out.stopped[0] else "length"
+            return Generation(out.tokens[0], out.logprobs[0], finish, self.version)
 
     def pause(self) -> None:
         self._running.clear()

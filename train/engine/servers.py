@@ -87,16 +87,25 @@ class Server:
             f"attempts: {type(last).__name__}: {last}"
         ) from last
 
-    def _aborted(self, path: str) -> ServerError:
-        return ServerError(
+    def _turn(self, path: str, body: dict, read, where: str) -> Generation:
+        """A turn's request; ``read(answer)`` gives (tokens, logprobs, finish reason, version),
+        a missing field raising what names it under ``where``. A turn the server aborted is asked
+        again (at most ``retries`` times more), never booked as a cut one."""
+        for _ in range(self.retries + 1):
+            answer = self.post(path, body)
+            try:
+                tokens, logprobs, finish, version = read(answer)
+            except (KeyError, IndexError, TypeError) as e:
+                raise ServerError(
+                    f"{self.kind} server {self.url}: POST {path} answered without {where}.{e}: "
+                    f"{json.dumps(answer)[:300]}"
+                ) from e
+            if finish != "abort":
+                kind = "stop" if finish == "stop" else "length"
+                return Generation(tokens, logprobs, kind, version)
+        raise ServerError(
             f"{self.kind} server {self.url}: POST {path} was aborted by the server "
             f"{self.retries + 1} times in a row"
-        )
-
-    def _bad(self, path: str, answer: Any, what: str) -> ServerError:
-        return ServerError(
-            f"{self.kind} server {self.url}: POST {path} answered without {what}: "
-            f"{json.dumps(answer)[:300]}"
         )
 
 
@@ -122,20 +131,14 @@ class VLLMServer(Server):
             "stop_token_ids": list(map(int, stop_ids)),
             "skip_special_tokens": False,
         }
-        for _ in range(self.retries + 1):
-            answer = self.post("/v1/completions", body)
-            try:
-                choice = answer["choices"][0]
-                tokens = [int(t) for t in choice["token_ids"]]
-                logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
-                finish = choice["finish_reason"]
-            except (KeyError, IndexError, TypeError) as e:
-                raise self._bad("/v1/completions", answer, f"choices[0].{e}") from e
-            if finish != "abort":
-                return Generation(
-                    tokens, logprobs, "stop" if finish == "stop" else "length", version
-                )
-        raise self._aborted("/v1/completions")
+
+        def read(answer):
+            choice = answer["choices"][0]
+            tokens = [int(t) for t in choice["token_ids"]]
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            return tokens, logprobs, choice["finish_reason"], version
+
+        return self._turn("/v1/completions", body, read, "choices[0]")
 
     def pause(self) -> None:
         self.post("/pause", query="mode=wait")
@@ -171,22 +174,16 @@ class SGLangServer(Server):
             },
             "return_logprob": True,
         }
-        for _ in range(self.retries + 1):
-            answer = self.post("/generate", body)
-            try:
-                meta = answer["meta_info"]
-                triples = meta["output_token_logprobs"]
-                tokens = [int(t[1]) for t in triples]
-                logprobs = [float(t[0]) for t in triples]
-                finish = (meta.get("finish_reason") or {}).get("type")
-            except (KeyError, IndexError, TypeError) as e:
-                raise self._bad("/generate", answer, f"meta_info.{e}") from e
-            if finish == "abort":
-                continue
+
+        def read(answer):
+            meta = answer["meta_info"]
+            triples = meta["output_token_logprobs"]
+            finish = (meta.get("finish_reason") or {}).get("type")
             reported = str(meta.get("weight_version", ""))  # "default" until a versioned update
-            version = int(reported) if reported.isdigit() else version
-            return Generation(tokens, logprobs, "stop" if finish == "stop" else "length", version)
-        raise self._aborted("/generate")
+            tokens, logprobs = [int(t[1]) for t in triples], [float(t[0]) for t in triples]
+            return tokens, logprobs, finish, int(reported) if reported.isdigit() else version
+
+        return self._turn("/generate", body, read, "meta_info")
 
     def pause(self) -> None:
         self.post("/pause_generation", {"mode": "retract"})

@@ -93,15 +93,21 @@ def evaluate_start(game: str, root: Path, model: str) -> None:
             "--model-path", model, "--env", game, "--episodes", str(START_EPISODES),
             "--k", str(START_K), *TURN, "--seed", str(seed), "--out", str(out),
         ]  # fmt: skip
-        proc = subprocess.run(
-            [sys.executable, "-m", "train.evaluate", *args],
-            env=child_env(0, compile_cache(root)),
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"start of {game}: train.evaluate exited {proc.returncode}:\n"
-                               f"{proc.stderr[-3000:]}")  # fmt: skip
+        _evaluate(args, root, f"start of {game}")
+
+
+def _evaluate(args: list[str], root: Path, what: str) -> None:
+    """``python -m train.evaluate ARGS`` in a child with the study's compile cache; raises
+    ``RuntimeError`` naming ``what`` with the child's stderr when it fails."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "train.evaluate", *args],
+        env=child_env(0, compile_cache(root)),
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what}: train.evaluate exited {proc.returncode}:\n"
+                           f"{proc.stderr[-3000:]}")  # fmt: skip
 
 
 def start_point(root: Path, game: str) -> dict[str, Any] | None:
@@ -381,15 +387,7 @@ def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, An
         "--k", str(EXPORT_K), *TURN, "--seed", str(EXPORT_SEED), "--out", str(evaluated),
     ]  # fmt: skip
     if not (evaluated / "metrics.json").exists():
-        proc = subprocess.run(
-            [sys.executable, "-m", "train.evaluate", *args],
-            env=child_env(0, compile_cache(root)),
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"train.evaluate of the export exited {proc.returncode}:\n"
-                               f"{proc.stderr[-3000:]}")  # fmt: skip
+        _evaluate(args, root, "the export's evaluation")
     measured = json.loads((evaluated / "metrics.json").read_text())
     episodes = EXPORT_TASKS * EXPORT_K
     rate = measured["eval_heldout_success_rate"]
