@@ -175,3 +175,48 @@ def test_the_plan_proposes_settings_that_fit_and_keeps_the_users_own_flags(tmp_p
     assert not held.plan.fits and held.blocked and held.cfg.remat == "none"
     assert "instead it fits" in held.verdict()
     assert make_plan(dataclasses.replace(mine, **held.blocked), limit=tight).fits
+
+
+def test_the_device_count_named_is_the_fewest_on_which_every_program_would_fit():
+    from train.plan import Plan, Program, devices_needed
+
+    gib = 2**30
+    # an update of 40 GiB of state, a micro-step whose one row of activations (6 GiB) stays
+    # whole and whose gradients (8 GiB) divide, plus the 2 GiB of weights fsdp gathers for it
+    update = Program("optimizer update (actor)", 24 * gib, 16 * gib, "", shardable=24 * gib)
+    step = Program("training micro-step (actor)", 14 * gib, 40 * gib, "", 8 * gib, 2 * gib)
+    plan = Plan(1, {"actor parameters": 16 * gib}, [update, step], 20 * gib)
+    assert step.peak_on(1) == step.peak == 54 * gib  # one device: as planned, nothing gathered
+    assert step.peak_on(4) == 12 * gib + 6 * gib + 2 * gib
+    assert devices_needed(plan, 20 * gib) == 4  # 2 devices: 24 + 8 = 32 GiB; 4: 20 GiB
+    assert devices_needed(plan, 19 * gib) == 8
+    # the undivided part (6 + 2 GiB) alone does not fit: no device count does
+    assert devices_needed(plan, 8 * gib) is None
+    # on 8 devices already, the count named is a multiple of them
+    assert devices_needed(dataclasses.replace(plan, devices=8), 20 * gib) == 32
+
+
+@pytest.mark.slow  # three plans at 1 device and a search at 16 (about four minutes here)
+def test_a_refusal_names_a_device_count_that_applied_fits(tmp_path):
+    import re
+
+    from train.plan import propose
+
+    at = TINY.index("--micro-batches")
+    flags = [*TINY[:at], *TINY[at + 2 :]]
+    flags[flags.index("--prompts-per-step") + 1] = "16"  # a minibatch's rows split over 16
+    cfg = parse_args([*flags, "--run-dir", os.devnull])
+    limit = make_plan(cfg).resident_state // 2  # the weights and moments alone do not fit
+    proposal = propose(cfg, limit=limit, given=cfg.given_fields)
+    assert not proposal.plan.fits
+    named = re.search(r"try (\d+) devices with fsdp \(--mesh 1,(\d+),1", proposal.verdict())
+    assert named and named[1] == named[2], proposal.verdict()
+    n = named[1]
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "train.plan", "--devices", n, "--mesh", f"1,{n},1",
+           "--device-memory", str(limit), *flags]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1].startswith("peak per device: ")
+    assert ": fits" in out.stdout.strip().splitlines()[-1]

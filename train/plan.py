@@ -45,6 +45,8 @@ __all__ = [
     "planned_dtype",
     "main",
     "device_memory",
+    "devices_needed",
+    "floor_settings",
     "GIB",
 ]
 
@@ -60,10 +62,24 @@ class Program:
     own: int
     resident: int
     flags: str  # what to change when this program does not fit
+    # the part of ``own`` that fsdp divides among more devices (the gradients a micro-step
+    # writes, the moments an update rewrites, the decode rows' cache); the rest (one row's
+    # activations) stays whatever the device count
+    shardable: int = 0
+    # the whole weights it reads, in the compute dtype: what fsdp would gather for it on a mesh
+    # that does not shard them yet (0 where they are already sharded: ``own`` holds the gather)
+    gathered: int = 0
 
     @property
     def peak(self) -> int:
         return self.own + self.resident
+
+    def peak_on(self, k: int) -> float:
+        """Its estimated peak with fsdp over k times the devices:
+        ``(resident + shardable) / k + (own - shardable) + gathered`` (k > 1)."""
+        if k == 1:
+            return self.peak
+        return (self.resident + self.shardable) / k + self.own - self.shardable + self.gathered
 
 
 @dataclasses.dataclass
@@ -289,6 +305,13 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
 
     actor_bytes = state["actor parameters"]
     programs = []
+    compute = jnp.dtype(cfg.compute_dtype).itemsize
+
+    def gathered(params) -> int:  # the whole weights in the compute dtype, unless fsdp shards them
+        if mesh.shape["fsdp"] > 1:
+            return 0
+        return sum(int(np.prod(x.shape, dtype=np.int64)) * compute for x in jax.tree.leaves(params))
+
     chunk = min(512, bucket(max_len))
     vocab = mc.vocab_size
     prefill = compile_(
@@ -296,14 +319,16 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         host((rows,), jnp.int32), host((rows,), jnp.int32), host((rows, vocab), jnp.float32),
     )  # fmt: skip
     rollout_flags = "--slots (decode rows), --max-len, --mesh"
-    programs.append(Program("sampler prefill", _own(prefill, actor_bytes), resident, rollout_flags))
+    own = _own(prefill, actor_bytes)
+    programs.append(Program("sampler prefill", own, resident, rollout_flags, own, gathered(actor)))
     decode = compile_(
         _decode_jit, actor_def, max_len, actor, cache, host((rows,), jnp.int32),
         host((rows, vocab), jnp.float32), host((rows,), bool), host((rows,), jnp.int32),
         jax.random.key(0), max_new,
         cfg.temperature, 0, 1.0, (1,), jnp.int32(1),
     )  # fmt: skip
-    programs.append(Program("sampler decode", _own(decode, actor_bytes), resident, rollout_flags))
+    own = _own(decode, actor_bytes)
+    programs.append(Program("sampler decode", own, resident, rollout_flags, own, gathered(actor)))
 
     micro = micro_rows(cfg, max_len, batch_ways(mesh))
     rows_spec = dict(sharded=micro % batch_ways(mesh) == 0)
@@ -313,14 +338,17 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
     scorer = Scorer(rows=micro, temperature=cfg.temperature)
     score_flags = "--micro-batch-tokens, --max-len, --mesh"
     logp = compile_(scorer._logp, actor_def, actor, tokens, positions, temperature=cfg.temperature)
-    programs.append(Program("scoring (actor)", _own(logp, actor_bytes), resident, score_flags))
+    own = _own(logp, actor_bytes)
+    programs.append(Program("scoring (actor)", own, resident, score_flags, 0, gathered(actor)))
     if critic is not None:
         values = compile_(
             scorer._values, critic_def, critic, tokens, positions,
             host((micro,), jnp.int32, **rows_spec),
         )  # fmt: skip
         own = _own(values, state["critic parameters"])
-        programs.append(Program("scoring (critic)", own, resident, score_flags))
+        programs.append(
+            Program("scoring (critic)", own, resident, score_flags, 0, gathered(critic))
+        )
 
     dtypes = {"loss_mask": bool, "turn_ids": jnp.int32}
     batch = ActionRows(
@@ -344,12 +372,18 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         step = compile_(grad_fn, params, batch, *extra)
         own = _own(step, _bytes_per_device(params))
         programs.append(
-            Program(f"training micro-step ({which})", own, resident + accumulate, train_flags)
-        )
+            Program(
+                f"training micro-step ({which})", own, resident + accumulate, train_flags,
+                shardable=min(own, _bytes_per_device(params)),  # the gradients it returns
+                gathered=gathered(params),
+            )
+        )  # fmt: skip
         update = compile_(fns.apply, which, params, opts[which], params, scalar)
         own = _own(update, _bytes_per_device(params) + _bytes_per_device(opts[which]))
         update_flags = "--mesh (fsdp), --param-dtype, --opt-dtype"
-        programs.append(Program(f"optimizer update ({which})", own, resident, update_flags))
+        programs.append(
+            Program(f"optimizer update ({which})", own, resident, update_flags, shardable=own)
+        )
     shape = (
         f"{cfg.prompts_per_step * cfg.group_size} episodes a step on {rows} decode slots, "
         f"--max-len {max_len}, micro-batches of {micro} rows, compute {cfg.compute_dtype}, "
@@ -469,11 +503,12 @@ def propose(
     least halved), then the plan is compiled again. Fields in ``given`` (the
     user's own flags) are never changed; when they stand in the way, the search is run again
     without them and ``blocked`` holds what would fit. When nothing fits on these devices,
-    ``needs`` names the way out: more devices with fsdp, or a shorter ``--max-len``."""
+    ``needs`` names the way out (:func:`_needs`): the fewest devices that would fit with fsdp,
+    estimated from the plan at every knob's floor, or a shorter ``--max-len``."""
     say = say or (lambda message: None)
     plan = make_plan(cfg, limit=limit, platform=platform)
     if plan.resident_state > limit:  # the weights and moments alone: no setting lowers them
-        return Proposal(cfg, plan, {}, {}, needs=_needs(plan, limit))
+        return Proposal(cfg, plan, {}, {}, needs=_needs(cfg, plan, limit, platform, say))
     chosen, plan, changes, blocked = _search(cfg, limit, platform, set(given), tries, say, plan)
     proposal = Proposal(chosen, plan, changes, {})
     if plan.fits:
@@ -483,27 +518,73 @@ def propose(
         if freed.fits:
             proposal.blocked = freed_changes
             return proposal
-    proposal.needs = _needs(plan, limit)
+    proposal.needs = _needs(cfg, plan, limit, platform, say)
     return proposal
 
 
-def _needs(plan: Plan, limit: int) -> str:
-    """The way out when nothing on these devices fits: fsdp over enough devices that the
-    resident state takes at most half of each (a power of two), a shorter length, LoRA."""
-    devices = plan.devices * max(
-        2, 1 << int(np.ceil(np.log2(max(1.0, 2 * plan.resident_state / limit))))
-    )
+def floor_settings(max_len: int) -> dict:
+    """Every knob of :data:`KNOBS` at its floor: one decode slot, ``--remat full``,
+    micro-batches of one row of ``max_len``."""
+    from mpo_jax.batch import padded_length
+
+    width = padded_length(max_len)
+    return dict(engine="continuous", slots=1, remat="full", micro_batch_tokens=width,
+                micro_batches=1)  # fmt: skip
+
+
+def devices_needed(plan: Plan, limit: int, most: int = 1 << 16) -> int | None:
+    """The fewest devices, ``plan.devices`` times a power of two (at least 2), on which every
+    program of ``plan`` would fit ``limit`` with fsdp over all of them (:meth:`Program.peak_on`:
+    fsdp divides the weights, moments, gradients and decode rows; one row's activations stay
+    whole on its device, beside the weights it gathers). None when that undivided part alone
+    does not fit, on any count."""
+    k = 2
+    while plan.devices * k <= most:
+        if all(p.peak_on(k) <= limit for p in plan.programs):
+            return plan.devices * k
+        k *= 2
+    return None
+
+
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else f"{n / 2**20:.2f} MiB"
+
+
+def _needs(cfg, plan: Plan, limit: int, platform, say) -> str:
+    """The way out when nothing on these devices fits, from the plan with every knob at its
+    floor (:func:`floor_settings`): fsdp over :func:`devices_needed` devices, else (one row's
+    activations alone too big) a shorter ``--max-len``; LoRA in both cases."""
+    floor = dataclasses.replace(cfg, **floor_settings(plan.max_len))
+    say("plan: nothing fits on these devices; planning every setting at its floor")
+    floor_plan = make_plan(floor, limit=limit, platform=platform)
     if plan.resident_state > limit:
-        why = (
-            f"the weights, moments and reference alone take {plan.resident_state / GIB:.2f} GiB "
-            "a device"
-        )
+        why = f"the weights, moments and reference alone take {_size(plan.resident_state)} a device"
     else:
         why = f"{plan.worst().name} at its floor"
+    devices = devices_needed(floor_plan, limit)
+    if devices is None:
+        worst = max(floor_plan.programs, key=lambda p: p.peak_on(1 << 30))
+        return (
+            f"nothing on {plan.devices} device(s) fits ({why}), nor on any number of devices "
+            f"with fsdp: {worst.name} keeps {_size(worst.peak_on(1 << 30))} a "
+            f"device at its floor (one row of --max-len {plan.max_len}), which more devices do "
+            "not divide; try a shorter --max-len, or fewer trained parameters (LoRA, not built "
+            "yet)"
+        )
+    k = devices // plan.devices
+    estimate = max(p.peak_on(k) for p in floor_plan.programs)
+    rows = cfg.prompts_per_step * cfg.group_size // cfg.minibatches
+    split = (
+        f"; a minibatch's {rows} rows must split over them: more --prompts-per-step or fewer "
+        "--minibatches"
+        if rows % devices
+        else ""
+    )
     return (
-        f"nothing on {plan.devices} device(s) fits ({why}); try "
-        f"{devices} devices with fsdp (--mesh 1,{devices},1), a shorter --max-len, or fewer "
-        "trained parameters (LoRA, not built yet)"
+        f"nothing on {plan.devices} device(s) fits ({why}); try {devices} devices with fsdp "
+        f"(--mesh 1,{devices},1: about {_size(estimate)} a device with every setting at its "
+        f"floor, an estimate that python -m train.plan --devices {devices} --mesh 1,{devices},1 "
+        f"checks{split}), a shorter --max-len, or fewer trained parameters (LoRA, not built yet)"
     )
 
 
