@@ -18,7 +18,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import jax
 import numpy as np
 
 from envs.base import Env
@@ -29,7 +28,6 @@ __all__ = [
     "Policy",
     "Rollouts",
     "collect",
-    "round_seed",
     "EPISODE_FIGURES",
     "EPISODE_INFO",
     "Episode",
@@ -82,9 +80,11 @@ class Policy(Protocol):
         stop_ids: Sequence[int],
         seed: Any,
         active: Sequence[bool],
+        streams: Sequence[int],
     ) -> Any:
         """``.tokens[i]`` and ``.logprobs[i]``: row i's sampled ids and their log-probs (empty for
-        inactive rows or rows out of room)."""
+        inactive rows or rows out of room). ``streams[i]``: the episode row i samples for (its
+        random stream under ``seed``)."""
 
     def extend(self, rows: Sequence[Sequence[int] | None]) -> None:
         """Appends observation ids to the rows that have them."""
@@ -180,14 +180,6 @@ class Episode:
         self.rewards += [0.0] * len(ids)
 
 
-def round_seed(seed, round_: int):
-    """The policy's seed for one round: ``fold_in(seed, round)`` for a JAX key (every round a
-    stream of its own), ``seed * 100_003 + round`` for an int seed (scripted policies, tests)."""
-    if isinstance(seed, jax.Array):
-        return jax.random.fold_in(seed, round_)
-    return seed * 100_003 + round_
-
-
 def collect(
     envs: Sequence[Env],
     codec: Codec,
@@ -206,7 +198,8 @@ def collect(
     or observation would not fit in ``max_len`` tokens: then it is truncated, never crashed. An
     environment whose ``step`` raises ends its own episode (truncated, the exception in the
     episode's ``env_exception``); the other episodes go on. ``seed`` is an int or a JAX key;
-    each round's sampling seed is :func:`round_seed` of it.
+    episode i samples from its own stream of it (``streams`` of the policy's ``generate``: the
+    slot engine draws the same tokens whatever its slots, chunks and threads).
 
     A turn that does not end with ``codec.end_of_turn`` (cut by ``max_new_tokens`` or stopped on
     another stop id) is closed: the end-of-turn ids are appended as non-action tokens before the
@@ -250,17 +243,16 @@ def _play(episodes, envs, codec, policy, max_len, max_new_tokens, temperature, s
     b = len(episodes)
     end_of_turn = list(getattr(codec, "end_of_turn", ()))
     version = int(getattr(policy, "version", 0))
-    round_ = 0
     while any(ep.active for ep in episodes):
         active = [ep.active for ep in episodes]
         gen = policy.generate(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             stop_ids=tuple(codec.stop_ids),
-            seed=round_seed(seed, round_),
+            seed=seed,
             active=active,
+            streams=list(range(b)),  # episode i samples from its own stream (see Sampler)
         )
-        round_ += 1
         extend: list[list[int] | None] = [None] * b
         for i, (ep, env) in enumerate(zip(episodes, envs, strict=True)):
             if not active[i]:

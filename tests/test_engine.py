@@ -84,6 +84,13 @@ def test_every_episode_runs_once_to_its_end_and_every_slot_is_freed(
         nav_model, engine=True, n=7, slots=slots, chunk=chunk, env_workers=workers, refill=refill
     )
     validate(out.batch)
+    # every episode samples from its own stream: the tokens are lockstep's whatever the slots,
+    # chunks, threads and recomputed prefixes (log-probs to rounding: a recomputed prefix's
+    # logits come from the prefill program instead of the decode's)
+    lockstep = _run(nav_model, engine=False, n=7)
+    np.testing.assert_array_equal(out.batch.tokens, lockstep.batch.tokens)
+    np.testing.assert_array_equal(out.batch.loss_mask, lockstep.batch.loss_mask)
+    np.testing.assert_allclose(out.batch.sampler_logp, lockstep.batch.sampler_logp, atol=1e-5)
     assert len(out.episodes) == 7
     for i, ep in enumerate(out.episodes):
         n = ep["tokens"]

@@ -376,8 +376,8 @@ HELP: dict[str, str] = {
     "decode_chunk": "decode steps between the continuous engine's host visits (0: a whole turn "
     "budget); short chunks admit answered episodes sooner",
     "env_workers": "threads stepping environments concurrently in the continuous engine (0: "
-    "inline, in slot order; > 0 overlaps tools with decoding but sampled runs are then not "
-    "bit-reproducible)",
+    "inline, in slot order; > 0 overlaps tools with decoding; each episode samples from its own "
+    "random stream, so the tokens are the same either way)",
     "env_timeout": "seconds an environment may take to answer a turn before its episode ends "
     "(truncated, env_exception says so); needs --env-workers; 0: no limit",
     "rollout_backend": "what samples the rollouts: jax (our engine, in-process), vllm or sglang "

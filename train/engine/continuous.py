@@ -27,12 +27,13 @@ Between chunks ``publish()`` (if given) may return new weights ``(state, version
 sampled token records the version that sampled it (``Rollouts.token_versions``), so a turn may
 straddle an update.
 
-With ``slots`` = episodes, ``chunk`` = ``max_new_tokens`` and ``env_workers`` = 0 every chunk is
-one lockstep round with the same PRNG key (``round_seed(seed, chunk)``) and the same programs:
-the rollouts equal ``collect``'s bit for bit (tested). With fewer slots or shorter chunks the
-sampled tokens differ (keys follow chunks, not episodes) but greedy outputs do not. With
-``env_workers`` > 0, which episode is admitted when depends on how long tools take, so sampled
-runs are not bit-reproducible.
+Each episode samples from a random stream of its own: its token at cache position p is drawn
+with ``fold_in(fold_in(key(seed), episode), p)``, as in lockstep's rounds (``envs.rollout``).
+So which slot, chunk or call samples a token does not change it: with ``slots`` = episodes,
+``chunk`` = ``max_new_tokens`` and ``env_workers`` = 0 the rollouts equal ``collect``'s bit for
+bit, and with fewer slots, shorter chunks, threads or a recomputed prefix the sampled tokens
+are still lockstep's wherever the logits are (tested on the CPU; a backend whose matmuls round
+differently with the batch's size may move a token where two are within a rounding).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from envs.rollout import (
     record_failure,
     record_result,
     record_turn,
-    round_seed,
     start_episodes,
     to_batch,
 )
@@ -206,7 +206,6 @@ class _Loop:
         self.queue.extend(range(len(self.episodes)))
         self.prompts = prompts
         self.sampler.open(self.n_slots)
-        index = 0
         while self.queue or self.returning or self.slot_of or self.pending:
             self._answers(block=False)
             self._admit()
@@ -219,8 +218,7 @@ class _Loop:
                 self.stats.prefill_s += time.perf_counter() - started
                 self.new_ids = {}
             if self.turns:
-                self._decode(temperature, round_seed(seed, index))
-                index += 1
+                self._decode(temperature, seed)
 
     def _admit(self) -> None:
         """Free slots go to answered episodes without one (their whole conversation is
@@ -266,6 +264,7 @@ class _Loop:
             seed=key,
             budgets=budgets,
             min_live=self._min_live(),
+            streams=[max(i, 0) for i in self.holder],  # each episode its own stream
         )
         self.stats.decode_s += time.perf_counter() - started
         lengths = [len(t) for t in gen.tokens]

@@ -118,10 +118,21 @@ def categorical(key, logits, block: int = 1024):
     pad = (-v) % block
     logits = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf)
     p = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)).reshape(b, -1, block)
-    k1, k2 = jax.random.split(key)
-    chosen = _inverse_cdf(jnp.sum(p, axis=-1), jax.random.uniform(k1, (b,)))
+    u1, u2 = _uniforms(key, b)
+    chosen = _inverse_cdf(jnp.sum(p, axis=-1), u1)
     inside = jnp.take_along_axis(p, chosen[:, None, None], axis=1)[:, 0]
-    return chosen * block + _inverse_cdf(inside, jax.random.uniform(k2, (b,)))
+    return chosen * block + _inverse_cdf(inside, u2)
+
+
+def _uniforms(key, b: int):
+    """Two [b] uniforms: from one key for the whole batch, or from each row's own key (a [b]
+    key array: a row's draw then depends on its key alone, not on the other rows)."""
+    if key.shape == ():
+        k1, k2 = jax.random.split(key)
+        return jax.random.uniform(k1, (b,)), jax.random.uniform(k2, (b,))
+    pairs = jax.vmap(jax.random.split)(key)
+    draw = jax.vmap(lambda k: jax.random.uniform(k, ()))
+    return draw(pairs[:, 0]), draw(pairs[:, 1])
 
 
 def _sample(logits, key, temperature: float, top_k: int, top_p: float):
@@ -281,6 +292,7 @@ class Sampler:
         active: Sequence[bool] | None = None,
         budgets: Sequence[int] | None = None,
         min_live: int = 1,
+        streams: Sequence[int] | None = None,
     ) -> Generation:
         """Samples up to ``max_new_tokens`` for every active row, continuing each conversation.
 
@@ -319,6 +331,7 @@ class Sampler:
                 float(top_p),
                 tuple(int(s) for s in stop_ids),
                 jnp.int32(min_live),
+                None if streams is None else jnp.asarray(streams, jnp.int32),
             )
             self.lengths = np.asarray(lengths)
             out, out_lp = np.asarray(out), np.asarray(out_lp)
@@ -381,8 +394,11 @@ def _decode_jit(
     top_p,
     stop_ids,
     min_live,
+    streams=None,
 ):
     model = nnx.merge(graphdef, state)
+    # per-row streams: each row's key for a token is its stream's key folded with the position
+    row_keys = None if streams is None else jax.vmap(jax.random.fold_in, (None, 0))(key, streams)
     b = lengths.shape[0]
     limit = jnp.int32(capacity)
     stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
@@ -393,7 +409,10 @@ def _decode_jit(
 
     def body(carry):
         step, cache, lengths, logits, done, stopped, key, out, out_lp = carry
-        key, sub = jax.random.split(key)
+        if row_keys is None:
+            key, sub = jax.random.split(key)
+        else:
+            sub = jax.vmap(jax.random.fold_in)(row_keys, lengths)
         token, logp = _sample(logits, sub, temperature, top_k, top_p)
         live = ~done
         out = out.at[:, step].set(jnp.where(live, token, -1))
