@@ -123,12 +123,18 @@ def test_an_moe_plan_on_a_cpu_plans_its_experts_as_a_grouped_matmul_and_says_so(
 
 def test_a_plan_that_does_not_fit_is_refused_at_start_naming_the_flags(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    code = run.main([*TINY, "--device-memory", "200000", "--run-dir", str(run_dir)])
+    code = run.main([*TINY, "--device-memory", "300000", "--run-dir", str(run_dir)])
     assert code == 2
     err = capsys.readouterr().err
     assert "refused (nothing was written): the memory plan does not fit:" in err
-    assert "nothing on 1 device(s) fits" in err and "devices with fsdp (--mesh 1," in err
+    assert "nothing on 1 device(s) fits" in err and "try 8 devices with fsdp (--mesh 1,8,1" in err
+    assert "a minibatch's 4 rows must split over them" in err  # and what that takes
     assert not run_dir.exists()
+    # below one row's activations and the gathered weights, no device count fits
+    assert run.main([*TINY, "--device-memory", "150000", "--run-dir", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "nor on any number of devices with fsdp: training micro-step" in err
+    assert "try a shorter --max-len" in err and not run_dir.exists()
 
 
 def test_each_knob_lowers_to_the_share_that_fits_and_stops_at_its_floor():

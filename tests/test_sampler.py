@@ -121,3 +121,32 @@ def test_two_level_categorical_samples_the_softmax(block):
     assert freq[2] == 0 and freq[6] == 0  # masked entries are never drawn
     tolerance = 4 * np.sqrt(probs * (1 - probs) / n) + 1e-4  # four standard errors
     assert np.all(np.abs(freq - probs) <= tolerance), (freq, probs)
+
+
+def test_weights_held_one_array_a_layer_sample_what_the_stacked_ones_do():
+    # a dense layer then two MoE layers: stacks of one and of two layers, both split per layer
+    from flax import nnx
+
+    from tests.models import tiny_model_config
+    from train.model.qwen3 import Qwen3ForCausalLM
+
+    cfg = tiny_model_config(num_layers=3, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=16, mlp_only_layers=(0,))  # fmt: skip
+    assert cfg.layer_segments() == [(0, 1), (1, 2)]
+    model, other = (Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(seed)) for seed in (0, 1))
+
+    def sample(sampler):
+        sampler.start(PROMPTS)
+        return sampler.generate(max_new_tokens=8, temperature=1.0, seed=3, streams=[0, 1, 2])
+
+    stacked = Sampler(model, capacity=32, split_layers=False)
+    split = Sampler(model, capacity=32, split_layers=True)
+    assert len(nnx.merge(split.graphdef, split.state).model.layers) == 3
+    a, b = sample(stacked), sample(split)
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # new weights set as the learner sets them (stacked) are laid out again
+    stacked.state = split.state = nnx.state(other)
+    a, b = sample(stacked), sample(split)
+    assert a.tokens == b.tokens and a.tokens != sample(Sampler(model, capacity=32)).tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)

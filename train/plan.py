@@ -304,6 +304,11 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=spec)
 
     actor_bytes = state["actor parameters"]
+    sampler_resident = resident
+    if (platform or jax.default_backend()) == "cpu" and mc.num_layers > 1:
+        # the sampler's own copy of the weights, one array a layer (Sampler's split_layers)
+        state["sampler weights, one array a layer (rollouts only)"] = actor_bytes
+        sampler_resident += actor_bytes
     programs = []
     compute = jnp.dtype(cfg.compute_dtype).itemsize
 
@@ -320,7 +325,9 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
     )  # fmt: skip
     rollout_flags = "--slots (decode rows), --max-len, --mesh"
     own = _own(prefill, actor_bytes)
-    programs.append(Program("sampler prefill", own, resident, rollout_flags, own, gathered(actor)))
+    programs.append(
+        Program("sampler prefill", own, sampler_resident, rollout_flags, own, gathered(actor))
+    )
     decode = compile_(
         _decode_jit, actor_def, max_len, actor, cache, host((rows,), jnp.int32),
         host((rows, vocab), jnp.float32), host((rows,), bool), host((rows,), jnp.int32),
@@ -328,7 +335,9 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         cfg.temperature, 0, 1.0, (1,), jnp.int32(1),
     )  # fmt: skip
     own = _own(decode, actor_bytes)
-    programs.append(Program("sampler decode", own, resident, rollout_flags, own, gathered(actor)))
+    programs.append(
+        Program("sampler decode", own, sampler_resident, rollout_flags, own, gathered(actor))
+    )
 
     micro = micro_rows(cfg, max_len, batch_ways(mesh))
     rows_spec = dict(sharded=micro % batch_ways(mesh) == 0)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from train.model.qwen3 import KVCache
+from train.model.qwen3 import KVCache, unstacked
 
 __all__ = [
     "Generation",
@@ -165,6 +165,9 @@ class Sampler:
         observations go in chunks: the attention's working set is chunk x capacity).
       mesh: where the cache lives (rows over the data axes), if anywhere but one device.
       device: a context held around each device program (default: none).
+      split_layers: hold the weights one array a layer (:func:`train.model.qwen3.unstacked`:
+        a copy of them, made whenever ``state`` is set, that the CPU's decode reads in place);
+        None: on the CPU only (on accelerators the copy would cost device memory).
     """
 
     def __init__(
@@ -176,8 +179,15 @@ class Sampler:
         prefill_chunk: int = 512,
         mesh=None,
         device=None,
+        split_layers: bool | None = None,
     ):
-        self.graphdef, self.state = nnx.split(model)
+        if split_layers is None:
+            split_layers = jax.default_backend() == "cpu"
+        self.graphdef, state = nnx.split(model)
+        self._lay_out = None
+        if split_layers and getattr(model.cfg, "stack_layers", False) and model.cfg.num_layers > 1:
+            self.graphdef, self._lay_out = unstacked(model)
+        self.state = state
         self.cfg = model.cfg
         self.batch_size = batch_size
         self.capacity = capacity
@@ -191,6 +201,16 @@ class Sampler:
         self.version = 0  # the policy version of the weights (updates applied; see swap)
         self.lengths = np.zeros(batch_size or 0, np.int32)
         self.next_logits = None
+
+    @property
+    def state(self):
+        """The weights the programs read (set it with a state of the model given, stacked)."""
+        return self._state
+
+    @state.setter
+    def state(self, state) -> None:
+        self._state = None  # the old copy goes before the new one is made
+        self._state = state if self._lay_out is None else self._lay_out(state)
 
     # -- host API ------------------------------------------------------------------------------
 
