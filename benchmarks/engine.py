@@ -27,7 +27,9 @@ median m, σ 0.5) for each median in ``--latencies``. Configurations, each on th
 
 Every configuration is run once untimed (compiles), then timed ``--reps`` times; the table prints
 medians: episodes/s, sampled tokens/s, utilisation (the share of decode slot-steps that sampled
-a live token; lockstep: live rows / batch rows over its rounds), the device's idle share (wall
+a live token; lockstep: live rows / batch rows over its rounds), the same over the chunks started
+while an episode waited for a slot ("contended": every slot held; the step's drain, when fewer
+episodes are left than slots, left out), the device's idle share (wall
 time outside prefill and decode calls), and episodes/s over lockstep in the same run.
 """
 
@@ -152,6 +154,7 @@ def run_once(config, model, codec, make, max_len, episodes, latency, new, chunk,
         wall = time.perf_counter() - t0
         util = busy.live / busy.slot_steps if busy.slot_steps else 0.0
         idle = 1 - busy.seconds / wall
+        contended = float("nan")  # every episode has its row: none waits for one
     else:
         slots = episodes if config == "engine" else max(1, episodes // 2)
         out = collect_continuous(
@@ -160,8 +163,12 @@ def run_once(config, model, codec, make, max_len, episodes, latency, new, chunk,
         )  # fmt: skip
         wall = time.perf_counter() - t0
         util, idle = out.stats.utilisation, out.stats.device_idle
+        contended = out.stats.contended_utilisation if out.stats.contended_slot_steps else np.nan
     tokens = int(out.batch.loss_mask.sum())
-    return {"eps_s": episodes / wall, "tok_s": tokens / wall, "util": util, "idle": idle}
+    return {
+        "eps_s": episodes / wall, "tok_s": tokens / wall, "util": util, "contended": contended,
+        "idle": idle,
+    }  # fmt: skip
 
 
 class _Timed:
@@ -213,10 +220,10 @@ def main() -> None:
         f"{jax.devices()[0].platform}, {jnp.zeros(()).dtype}; medians of {args.reps}"
     )
     print(
-        "| task | tool latency s | config | episodes/s | tokens/s | utilisation | device idle "
-        "| episodes/s vs lockstep |"
+        "| task | tool latency s | config | episodes/s | tokens/s | utilisation | utilisation, "
+        "contended | device idle | episodes/s vs lockstep |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for task in args.tasks.split(","):
         model, codec, make, max_len = workload(task)
         for config in configs:  # compile every program once
@@ -243,9 +250,10 @@ def main() -> None:
             base = rows.get("lockstep", {}).get("eps_s")
             for config, r in rows.items():
                 ratio = f"{r['eps_s'] / base:.2f}x" if base else "–"
+                contended = "–" if np.isnan(r["contended"]) else f"{100 * r['contended']:.0f}%"
                 print(
                     f"| {task} | {latency:g} | {config} | {r['eps_s']:.2f} | {r['tok_s']:.0f} "
-                    f"| {100 * r['util']:.0f}% | {100 * r['idle']:.0f}% | {ratio} |",
+                    f"| {100 * r['util']:.0f}% | {contended} | {100 * r['idle']:.0f}% | {ratio} |",
                     flush=True,
                 )
 

@@ -105,6 +105,12 @@ def test_every_episode_runs_once_to_its_end_and_every_slot_is_freed(
         assert np.bincount(turns).max() <= env.turn_length
     assert 0 < out.stats.utilisation <= 1
     assert out.stats.live_steps == int(out.batch.loss_mask.sum())
+    # chunks started while an episode waited for a slot: some with fewer slots than episodes
+    stats = out.stats
+    assert stats.contended_live_steps <= stats.live_steps
+    assert stats.contended_slot_steps <= stats.slot_steps
+    assert (stats.contended_slot_steps > 0) == (slots < 7)
+    assert 0 < stats.contended_utilisation <= 1 or slots == 7
 
 
 def test_bad_engine_settings_are_named(nav_model):

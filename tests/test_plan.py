@@ -154,6 +154,10 @@ def test_each_knob_lowers_to_the_share_that_fits_and_stops_at_its_floor():
     assert _lowered(budget, "micro_batch_tokens", 23, 0.1)["micro_batch_tokens"] == 256
     one_row = dataclasses.replace(cfg, micro_batches=1, micro_batch_tokens=24)
     assert _lowered(one_row, "micro_batch_tokens", 23) is None
+    # rows split over 4 devices: one row a device (4 x 24 tokens) is the floor
+    four = dataclasses.replace(cfg, micro_batches=1, micro_batch_tokens=96)
+    assert _lowered(four, "micro_batch_tokens", 23, ways=4) is None
+    assert _lowered(four, "micro_batch_tokens", 23, ways=2)["micro_batch_tokens"] == 48
 
 
 @pytest.mark.slow  # a search compiles a dozen plans (about two minutes here)

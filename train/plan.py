@@ -93,6 +93,7 @@ class Plan:
     notes: list[str] = dataclasses.field(default_factory=list)  # what the plan assumed
     shape: str = ""  # the run's shape: rows, length, dtypes, remat, mesh
     max_len: int = 0  # the tokens a row the programs were compiled for
+    batch_ways: int = 1  # devices a micro-batch's rows split over (data x fsdp)
 
     @property
     def peak(self) -> int:
@@ -404,7 +405,9 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         f"parameters {cfg.param_dtype}, moments {cfg.opt_dtype}, --remat {cfg.remat}, "
         f"mesh {dict(mesh.shape)}"
     )
-    return Plan(n, state, programs, limit, notes, shape=shape, max_len=max_len)
+    return Plan(
+        n, state, programs, limit, notes, shape=shape, max_len=max_len, batch_ways=batch_ways(mesh)
+    )
 
 
 # What lowers each program, tried in this order: the decode rows for the sampler, the remat and
@@ -456,10 +459,11 @@ def _below(value: int, scale: float, floor: int) -> int:
     return max(floor, 1 << (target.bit_length() - 1))
 
 
-def _lowered(cfg, field: str, max_len: int, scale: float = 0.5) -> dict | None:
+def _lowered(cfg, field: str, max_len: int, scale: float = 0.5, ways: int = 1) -> dict | None:
     """The changes that lower ``field`` from ``cfg``'s value, or None at its floor. ``scale``:
     the share of the program's own bytes that would fit (a knob that scales it is cut to the
-    power of two below that share at once, at least halved)."""
+    power of two below that share at once, at least halved). ``ways``: the devices a
+    micro-batch's rows split over (its floor is one row each)."""
     from mpo_jax.batch import padded_length
 
     if field == "remat":
@@ -471,10 +475,11 @@ def _lowered(cfg, field: str, max_len: int, scale: float = 0.5) -> dict | None:
             return None
         return {"engine": "continuous", "slots": _below(current, scale, 1)}
     width = padded_length(max_len)
-    current = cfg.micro_batch_tokens or micro_rows(cfg, max_len) * width
-    if current <= width:
-        return None  # one row of --max-len: the budget cannot go lower
-    return {"micro_batch_tokens": _below(current, scale, width), "micro_batches": 1}
+    floor = width * ways  # one row of --max-len a device: the budget cannot go lower
+    current = cfg.micro_batch_tokens or micro_rows(cfg, max_len, ways) * width
+    if current <= floor:
+        return None
+    return {"micro_batch_tokens": _below(current, scale, floor), "micro_batches": 1}
 
 
 def _search(cfg, limit, platform, given, tries, say, plan=None):
@@ -487,7 +492,7 @@ def _search(cfg, limit, platform, given, tries, say, plan=None):
         worst = plan.worst()
         scale = (limit - worst.resident) / max(worst.own, 1)  # the share of it that would fit
         for field in KNOBS[_category(worst.name)]:
-            lowered = _lowered(cfg, field, max_len, scale)
+            lowered = _lowered(cfg, field, max_len, scale, plan.batch_ways)
             if lowered is None:
                 continue
             if any(name in given for name in BLOCKED_BY.get(field, (field,))):

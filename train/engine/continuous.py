@@ -66,13 +66,19 @@ class EngineStats:
     """What one collection did with its slots and its time.
 
     ``utilisation``: the share of slot-steps of the decode chunks that sampled a live token;
-    ``device_idle``: the share of the wall time outside the device programs (prefill, decode).
+    ``contended_utilisation``: the same over the chunks that started while an episode waited
+    for a slot (every slot held: what the scheduler loses to turns ending inside a chunk and to
+    slots held through tool calls, without the step's drain, when fewer episodes are left than
+    slots); ``device_idle``: the share of the wall time outside the device programs (prefill,
+    decode).
     """
 
     slots: int
     chunks: int = 0
     slot_steps: int = 0
     live_steps: int = 0
+    contended_slot_steps: int = 0  # of the chunks started while an episode waited for a slot
+    contended_live_steps: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     env_wait_s: float = 0.0  # blocked with nothing to decode, waiting for an environment
@@ -83,6 +89,11 @@ class EngineStats:
     @property
     def utilisation(self) -> float:
         return self.live_steps / self.slot_steps if self.slot_steps else 0.0
+
+    @property
+    def contended_utilisation(self) -> float:
+        steps = self.contended_slot_steps
+        return self.contended_live_steps / steps if steps else 0.0
 
     @property
     def device_idle(self) -> float:
@@ -256,6 +267,7 @@ class _Loop:
         for i, turn in self.turns.items():
             budgets[self.slot_of[i]] = turn.left
         version = int(getattr(self.sampler, "version", 0))
+        contended = bool(self.queue or self.returning)  # episodes wait for a slot
         started = time.perf_counter()
         gen = self.sampler.generate(
             max_new_tokens=self.chunk,
@@ -272,6 +284,9 @@ class _Loop:
         self.stats.chunks += 1
         self.stats.slot_steps += self.n_slots * ran
         self.stats.live_steps += sum(lengths)
+        if contended:
+            self.stats.contended_slot_steps += self.n_slots * ran
+            self.stats.contended_live_steps += sum(lengths)
         full = self.sampler.lengths >= self.sampler.capacity
         for i in list(self.turns):
             slot, turn = self.slot_of[i], self.turns[i]
