@@ -113,13 +113,14 @@ def test_a_checkpoint_trains_exports_and_evaluates(checkpoint, tmp_path, env, pr
 
 def test_a_textarena_game_trains_two_steps_on_the_engine_with_fewer_slots(checkpoint, tmp_path):
     # TextArena's family through the trainer, on the engine's non-default path: fewer slots than
-    # episodes, short chunks and environments stepped by threads.
+    # episodes, short chunks ended early once half their slots' turns ended, and environments
+    # stepped by threads.
     path, _ = checkpoint
     run_dir = tmp_path / "run"
     args = [
         "--model-path", str(path), "--env", "guess-the-number", "--preset", "grpo",
         "--no-log-ref-kl", *SMALL_RUN, "--group-size", "4", "--slots", "2", "--decode-chunk",
-        "4", "--env-workers", "2", "--run-dir", str(run_dir),
+        "4", "--decode-refill", "0.5", "--env-workers", "2", "--run-dir", str(run_dir),
     ]  # fmt: skip
     assert run.main(args) == 0
     rows = read_metrics(run_dir)

@@ -101,6 +101,7 @@ class TrainConfig:
     engine: str = "continuous"
     slots: int = 0
     decode_chunk: int = 0
+    decode_refill: float = 0.0
     env_workers: int = 0
     env_timeout: float = 0.0
     # Generation on inference servers (train.engine.servers)
@@ -261,7 +262,7 @@ class TrainConfig:
                 f"rollout_url: --rollout-backend {self.rollout_backend} needs the servers' "
                 "URLs (--rollout-url http://host:port[,http://host2:port])"
             )
-        for name in ("slots", "decode_chunk", "env_workers", "env_timeout"):
+        for name in ("slots", "decode_chunk", "decode_refill", "env_workers", "env_timeout"):
             if getattr(self, name):
                 raise ValueError(
                     f"{name}: a setting of our own engine; with --rollout-backend "
@@ -272,12 +273,13 @@ class TrainConfig:
         return [u.strip() for u in self.rollout_url.split(",") if u.strip()]
 
     def engine_settings(self) -> EngineSettings:
-        """The rollout engine's settings (``--engine --slots --decode-chunk --env-workers
-        --env-timeout``)."""
+        """The rollout engine's settings (``--engine --slots --decode-chunk --decode-refill
+        --env-workers --env-timeout``)."""
         return EngineSettings(
             engine=self.engine,
             slots=self.slots,
             decode_chunk=self.decode_chunk,
+            decode_refill=self.decode_refill,
             env_workers=self.env_workers,
             env_timeout=self.env_timeout,
         )
@@ -375,6 +377,9 @@ HELP: dict[str, str] = {
     "as the default, and the start-up memory plan lowers it where the cache does not fit",
     "decode_chunk": "decode steps between the continuous engine's host visits (0: a whole turn "
     "budget); short chunks admit answered episodes sooner",
+    "decode_refill": "while episodes wait for a slot or an answer, end a decode chunk once this "
+    "share of its live slots ended their turns (0: at the chunk's end; 0 < r <= 1), so freed "
+    "slots are handed on sooner at the cost of more host visits",
     "env_workers": "threads stepping environments concurrently in the continuous engine (0: "
     "inline, in slot order; > 0 overlaps tools with decoding; each episode samples from its own "
     "random stream, so the tokens are the same either way)",

@@ -27,7 +27,8 @@ ENGINES = ("continuous", "lockstep")
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
     """How episodes are played. 0 means the default: ``slots`` one per episode, ``decode_chunk``
-    the turn budget, ``env_workers`` inline stepping, ``env_timeout`` no limit."""
+    the turn budget, ``env_workers`` inline stepping, ``env_timeout`` no limit, ``decode_refill``
+    chunks that run to their end (see :func:`train.engine.continuous.collect_continuous`)."""
 
     engine: str = "continuous"
     slots: int = 0
@@ -35,6 +36,7 @@ class EngineSettings:
     env_workers: int = 0
     env_timeout: float = 0.0
     recompute: bool = True
+    decode_refill: float = 0.0
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -42,12 +44,14 @@ class EngineSettings:
         for name in ("slots", "decode_chunk", "env_workers", "env_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.decode_refill <= 1:
+            raise ValueError(f"decode_refill: must be in [0, 1], got {self.decode_refill}")
         if self.env_timeout and not self.env_workers:
             raise ValueError("env_timeout: needs env_workers > 0 (an inline step cannot be timed)")
         if self.engine == "lockstep":
             given = [
                 n
-                for n in ("slots", "decode_chunk", "env_workers", "env_timeout")
+                for n in ("slots", "decode_chunk", "env_workers", "env_timeout", "decode_refill")
                 if getattr(self, n)
             ]
             if given:
@@ -71,5 +75,6 @@ def play(envs, codec, sampler, settings: EngineSettings | None = None, **kwargs:
         env_workers=s.env_workers,
         env_timeout=s.env_timeout or None,
         recompute=s.recompute,
+        refill=s.decode_refill,
         **kwargs,
     )
