@@ -103,6 +103,7 @@ class EngineStats:
     def figures(self) -> dict[str, float]:
         return {
             "engine_utilisation": self.utilisation,
+            "engine_utilisation_contended": self.contended_utilisation,
             "engine_chunks": float(self.chunks),
             "engine_recomputed": float(self.recomputed),
             "engine_swaps": float(self.swaps),
