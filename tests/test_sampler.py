@@ -150,3 +150,5 @@ def test_weights_held_one_array_a_layer_sample_what_the_stacked_ones_do():
     a, b = sample(stacked), sample(split)
     assert a.tokens == b.tokens and a.tokens != sample(Sampler(model, capacity=32)).tokens
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    split.state = split.state  # a state laid out already is taken as it is
+    assert sample(split).tokens == b.tokens

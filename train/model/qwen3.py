@@ -525,7 +525,7 @@ class DecoderStack(nnx.Module):
 def unstacked(model: nnx.Module) -> tuple[nnx.GraphDef, Callable[[nnx.State], nnx.State]]:
     """The graph of ``model`` with one :class:`DecoderStack` a layer, and the function that
     lays a state of ``model`` out for it (layer ``first + j`` of a stack: its own arrays, a
-    copy of entry j).
+    copy of entry j; a state laid out already is returned as it is).
 
     Why: XLA's CPU compiler runs a scan over stacked weights by copying each layer's weights
     out of the stack at every iteration (a dynamic slice feeding each matmul); in a decode
@@ -539,8 +539,12 @@ def unstacked(model: nnx.Module) -> tuple[nnx.GraphDef, Callable[[nnx.State], nn
     graphdef, _ = nnx.split(abstract)
 
     def lay_out(state: nnx.State) -> nnx.State:
+        flat_in = list(nnx.to_flat_state(state))
+        stacks = {path[path.index("layers") + 1] for path, _ in flat_in if "layers" in path}
+        if stacks and max(stacks) >= len(segments):
+            return state  # laid out already (a state read back from a split model)
         flat = []
-        for path, var in nnx.to_flat_state(state):
+        for path, var in flat_in:
             if "layers" not in path:
                 flat.append((path, var))
                 continue
