@@ -530,7 +530,7 @@ def unstacked(model: nnx.Module) -> tuple[nnx.GraphDef, Callable[[nnx.State], nn
     Why: XLA's CPU compiler runs a scan over stacked weights by copying each layer's weights
     out of the stack at every iteration (a dynamic slice feeding each matmul); in a decode
     loop that is a copy of every weight every token. One array a layer is read in place:
-    SmolLM2-135M decoded 21-31% more tokens/s at 32 rows (``benchmarks/vs_vllm.py``). The cost
+    SmolLM2-135M decoded 19-33% more tokens/s at 32 rows (``benchmarks/vs_vllm.py``). The cost
     is the copy itself: a second set of weights while a sampler holds it."""
     cfg = model.cfg
     segments = cfg.layer_segments()
