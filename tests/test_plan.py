@@ -130,11 +130,6 @@ def test_a_plan_that_does_not_fit_is_refused_at_start_naming_the_flags(tmp_path,
     assert "nothing on 1 device(s) fits" in err and "try 8 devices with fsdp (--mesh 1,8,1" in err
     assert "a minibatch's 4 rows must split over them" in err  # and what that takes
     assert not run_dir.exists()
-    # below one row's activations and the gathered weights, no device count fits
-    assert run.main([*TINY, "--device-memory", "150000", "--run-dir", str(run_dir)]) == 2
-    err = capsys.readouterr().err
-    assert "nor on any number of devices with fsdp: training micro-step" in err
-    assert "try a shorter --max-len" in err and not run_dir.exists()
 
 
 def test_each_knob_lowers_to_the_share_that_fits_and_stops_at_its_floor():
@@ -188,7 +183,7 @@ def test_the_plan_proposes_settings_that_fit_and_keeps_the_users_own_flags(tmp_p
 
 
 def test_the_device_count_named_is_the_fewest_on_which_every_program_would_fit():
-    from train.plan import Plan, Program, devices_needed
+    from train.plan import Plan, Program, devices_needed, way_out
 
     gib = 2**30
     # an update of 40 GiB of state, a micro-step whose one row of activations (6 GiB) stays
@@ -204,6 +199,15 @@ def test_the_device_count_named_is_the_fewest_on_which_every_program_would_fit()
     assert devices_needed(plan, 8 * gib) is None
     # on 8 devices already, the count named is a multiple of them
     assert devices_needed(dataclasses.replace(plan, devices=8), 20 * gib) == 32
+    # what the refusal says: the count and its estimate; the split rule; or no count at all
+    said = way_out(plan, plan, 20 * gib, minibatch_rows=64)
+    assert "try 4 devices with fsdp (--mesh 1,4,1: about 20.00 GiB a device" in said
+    assert "must split" not in said and "a minibatch's 6 rows must split over them" in (
+        way_out(plan, plan, 20 * gib, minibatch_rows=6)
+    )
+    said = way_out(plan, plan, 8 * gib, minibatch_rows=64)
+    assert "nor on any number of devices with fsdp: training micro-step (actor) keeps" in said
+    assert "try a shorter --max-len" in said
 
 
 @pytest.mark.slow  # three plans at 1 device and a search at 16 (about a minute here)

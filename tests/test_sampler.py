@@ -139,6 +139,13 @@ def test_weights_held_one_array_a_layer_sample_what_the_stacked_ones_do():
         sampler.start(PROMPTS)
         return sampler.generate(max_new_tokens=8, temperature=1.0, seed=3, streams=[0, 1, 2])
 
+    # by default: on the CPU from SPLIT_LAYERS_FROM bytes of weights, never on accelerators
+    from train.engine.sampler import SPLIT_LAYERS_FROM, splits_layers
+
+    assert splits_layers(SPLIT_LAYERS_FROM, "cpu") and not splits_layers(SPLIT_LAYERS_FROM, "gpu")
+    assert not splits_layers(SPLIT_LAYERS_FROM - 1, "cpu")
+    assert Sampler(model, capacity=32).graphdef == nnx.split(model)[0]  # these weights: a stack
+
     stacked = Sampler(model, capacity=32, split_layers=False)
     split = Sampler(model, capacity=32, split_layers=True)
     assert len(nnx.merge(split.graphdef, split.state).model.layers) == 3

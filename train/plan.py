@@ -47,6 +47,7 @@ __all__ = [
     "device_memory",
     "devices_needed",
     "floor_settings",
+    "way_out",
     "GIB",
 ]
 
@@ -211,7 +212,14 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
     from train.core.build import model_config, needs_reference, run_codec
     from train.core.learner import ActionRows, Models, UpdateFns, loss_fields, make_optimizer
     from train.core.scoring import Scorer
-    from train.engine.sampler import _decode_jit, _extend_jit, bucket, cache_sharding, cache_slots
+    from train.engine.sampler import (
+        _decode_jit,
+        _extend_jit,
+        bucket,
+        cache_sharding,
+        cache_slots,
+        splits_layers,
+    )
     from train.model.qwen3 import KVCache, Qwen3ForCausalLM, Qwen3ValueModel
     from train.model.sharding import batch_sharding, batch_ways, make_mesh, param_shardings
 
@@ -306,7 +314,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
 
     actor_bytes = state["actor parameters"]
     sampler_resident = resident
-    if (platform or jax.default_backend()) == "cpu" and mc.num_layers > 1:
+    if splits_layers(_bytes_per_device(actor), platform or jax.default_backend()):
         # the sampler's own copy of the weights, one array a layer (Sampler's split_layers)
         state["sampler weights, one array a layer (rollouts only)"] = actor_bytes
         sampler_resident += actor_bytes
@@ -577,6 +585,13 @@ def _needs(cfg, plan: Plan, limit: int, platform, say) -> str:
     floor = dataclasses.replace(cfg, **floor_settings(plan.max_len))
     say("plan: nothing fits on these devices; planning every setting at its floor")
     floor_plan = make_plan(floor, limit=limit, platform=platform)
+    rows = cfg.prompts_per_step * cfg.group_size // cfg.minibatches
+    return way_out(plan, floor_plan, limit, rows)
+
+
+def way_out(plan: Plan, floor_plan: Plan, limit: int, minibatch_rows: int) -> str:
+    """What :func:`_needs` says, from the plan that does not fit and its floor plan
+    (``minibatch_rows``: the rows a minibatch splits over the devices named)."""
     if plan.resident_state > limit:
         why = f"the weights, moments and reference alone take {_size(plan.resident_state)} a device"
     else:
@@ -593,11 +608,10 @@ def _needs(cfg, plan: Plan, limit: int, platform, say) -> str:
         )
     k = devices // plan.devices
     estimate = max(p.peak_on(k) for p in floor_plan.programs)
-    rows = cfg.prompts_per_step * cfg.group_size // cfg.minibatches
     split = (
-        f"; a minibatch's {rows} rows must split over them: more --prompts-per-step or fewer "
-        "--minibatches"
-        if rows % devices
+        f"; a minibatch's {minibatch_rows} rows must split over them: more --prompts-per-step "
+        "or fewer --minibatches"
+        if minibatch_rows % devices
         else ""
     )
     return (
