@@ -325,12 +325,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         gathers (Qwen3-8B at 32k: the eight-device plan's 94.9 GiB is matched by a whole
         float32 copy beside one device's activations, 97.5 estimated, not by a bfloat16 one,
         82.2)."""
-        if mesh.shape["fsdp"] > 1:
-            return 0
-        return sum(
-            int(np.prod(x.shape, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
-            for x in jax.tree.leaves(params)
-        )
+        return 0 if mesh.shape["fsdp"] > 1 else _bytes_per_device(_abstract(params))
 
     chunk = min(512, bucket(max_len))
     vocab = mc.vocab_size
