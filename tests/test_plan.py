@@ -51,6 +51,27 @@ def test_the_plans_state_is_what_a_trainer_holds(planned):
     assert plan.state["sampler KV cache (rollouts only)"] == _bytes(trainer.sampler.cache)
 
 
+def test_a_plan_compiles_each_distinct_program_once_in_a_process(tmp_path, monkeypatch):
+    # The search re-plans after every change: the programs it did not touch come from the memo
+    # (keyed by their lowered text), the ones it did are compiled anew and differ.
+    from train import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_COMPILED", plan_module.collections.OrderedDict())
+    cfg = parse_args([*TINY, "--run-dir", str(tmp_path), "--engine", "continuous"])
+    first = make_plan(cfg)
+    compiled = len(plan_module._COMPILED)
+    assert compiled == len(first.programs) + 2  # and the two optimizer initialisations
+    again = make_plan(cfg)
+    assert len(plan_module._COMPILED) == compiled and again.programs == first.programs
+    fewer = make_plan(dataclasses.replace(cfg, slots=2))  # 8 episodes on 2 decode rows
+    assert len(plan_module._COMPILED) == compiled + 2  # the sampler's prefill and decode
+    for before, after in zip(first.programs, fewer.programs, strict=True):
+        if before.name.startswith("sampler"):
+            assert after.own < before.own, before.name
+        else:
+            assert after == before, before.name
+
+
 def test_the_plans_programs_are_the_trainers_compiled_programs(planned):
     # The actor's training micro-step as the trainer compiles it for a worst-case micro-batch
     # (--max-len tokens, every one an action token): the plan reports its own analysis.

@@ -27,7 +27,9 @@ so the figures are a plan, checked against a measured run in ``benchmarks/memory
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import hashlib
 import os
 import sys
 
@@ -161,6 +163,26 @@ def _abstract(tree, shardings=None):
     )
 
 
+# Compiled programs by their lowered text, most recent last: a proposal's search compiles again
+# only the programs its change touched (a new --slots: the sampler's two), and the plans after
+# it in this process reuse the rest.
+_COMPILED: collections.OrderedDict[str, object] = collections.OrderedDict()
+COMPILED_KEPT = 64
+
+
+def _compile(lowered):
+    """``lowered.compile()``, once per distinct program text in this process (the text holds
+    the shapes, dtypes and shardings; the compiler and its flags are the process's own)."""
+    key = hashlib.sha256(lowered.as_text().encode()).hexdigest()
+    if key in _COMPILED:
+        _COMPILED.move_to_end(key)
+        return _COMPILED[key]
+    compiled = _COMPILED[key] = lowered.compile()
+    while len(_COMPILED) > COMPILED_KEPT:
+        _COMPILED.popitem(last=False)
+    return compiled
+
+
 def _own(compiled, resident_args: int) -> int:
     """A compiled program's own bytes: arguments (less those resident anyway), outputs and
     temporaries, less what outputs alias of the arguments (donation)."""
@@ -249,7 +271,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
 
     def compile_(fn, *args, **kwargs):
         with jax.set_mesh(mesh):  # as the trainer runs its device work: on the mesh
-            return fn.lower(*args, **kwargs).compile()
+            return _compile(fn.lower(*args, **kwargs))
 
     def placed(model_cls):
         """(graphdef, parameters as ShapeDtypeStructs placed by the sharding rules)."""
