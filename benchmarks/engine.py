@@ -2,6 +2,7 @@
 
     python benchmarks/engine.py [--episodes 16 --latencies 0,0.2,1 --reps 3]
     python benchmarks/engine.py --tasks synthetic --chunk 8
+    python benchmarks/engine.py --tasks synthetic --configs lockstep,engine-half --refill 0,0.5
 
 Two workloads, each a randomly initialised Qwen3-architecture model (its sampled turns are
 noise: what is measured is how the rollout spends its time, not what it says):
@@ -24,6 +25,9 @@ median m, σ 0.5) for each median in ``--latencies``. Configurations, each on th
 * ``engine-half``: as ``engine`` with half as many slots as episodes (twice as many episodes in
   flight as slots): an episode waiting on its tool gives its slot up and recomputes its prefix;
 * ``engine-half-hold``: the same, holding the slot while it waits (``recompute=False``).
+
+``--refill r[,r2,...]``: ``collect_continuous``'s ``refill`` (default 0, the engine's); several
+values run every engine configuration at each, side by side in one run.
 
 Every configuration is run once untimed (compiles), then timed ``--reps`` times; the table prints
 medians: episodes/s, sampled tokens/s, utilisation (the share of decode slot-steps that sampled
@@ -208,14 +212,21 @@ def main() -> None:
     p.add_argument("--new", type=int, default=48, help="tokens a turn at most")
     p.add_argument("--chunk", type=int, default=16, help="decode steps a chunk")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--refill", type=float, default=0.0, help="collect_continuous's refill")
+    p.add_argument(
+        "--refill", default="0", help="collect_continuous's refill; several (0,0.5): side by side"
+    )
     p.add_argument("--configs", default=",".join(CONFIGS))
     args = p.parse_args()
     latencies = [float(x) for x in args.latencies.split(",")]
-    configs = args.configs.split(",")
+    refills = [float(x) for x in args.refill.split(",")]
+    configs = [
+        (config, refill)
+        for config in args.configs.split(",")
+        for refill in ([0.0] if config == "lockstep" else refills)
+    ]
     print(
         f"{args.episodes} episodes, turns of <= {args.new} tokens, chunks of {args.chunk}, "
-        f"refill {args.refill:g}, tool latency log-normal (sigma 0.5) at the medians given; "
+        f"refill {args.refill}, tool latency log-normal (sigma 0.5) at the medians given; "
         f"jax {jax.__version__} on "
         f"{jax.devices()[0].platform}, {jnp.zeros(()).dtype}; medians of {args.reps}"
     )
@@ -226,11 +237,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for task in args.tasks.split(","):
         model, codec, make, max_len = workload(task)
-        for config in configs:  # compile every program once
+        for config, _ in configs:  # compile every program once
             run_once(config, model, codec, make, max_len, args.episodes, 0.0, args.new, args.chunk)
         for latency in latencies:
             rows = {}
-            for config in configs:
+            for config, refill in configs:
                 runs = [
                     run_once(
                         config,
@@ -242,11 +253,16 @@ def main() -> None:
                         latency,
                         args.new,
                         args.chunk,
-                        args.refill,
+                        refill,
                     )  # fmt: skip
                     for _ in range(args.reps)
                 ]
-                rows[config] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                named = (
+                    config
+                    if len(refills) == 1 or config == "lockstep"
+                    else (f"{config}, refill {refill:g}")
+                )
+                rows[named] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             base = rows.get("lockstep", {}).get("eps_s")
             for config, r in rows.items():
                 ratio = f"{r['eps_s'] / base:.2f}x" if base else "–"

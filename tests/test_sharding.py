@@ -45,6 +45,8 @@ MULTIHOST_FLAGS = [
     "--minibatches", "1", "--micro-batches", "1", "--no-progress",
     "--warmup-steps", "0",  # the full learning rate from the first update
     "--entropy-coef", "0.01",  # a gradient for the actor even if no episode succeeds
+    # each host's engine: 4 episodes on 3 slots, tools on 2 threads, chunks of 4 steps
+    "--slots", "3", "--env-workers", "2", "--decode-chunk", "4",
 ]  # fmt: skip
 
 
