@@ -136,32 +136,44 @@ def _block_ranges(q_pos, k_pos, k_valid, bq, bk):
 
 
 def _scores(qi, kj, qpos_i, kpos_j, kval_j, qlo_i, scale):
-    """(z [B, Hkv, G, bq, bk] float32 with invisible entries at -inf, visible mask)."""
-    z = jnp.einsum("bqhgd,bkhd->bhgqk", qi, kj, preferred_element_type=jnp.float32) * scale
-    mask = _visible(qpos_i, kpos_j, kval_j, qlo_i)
-    return jnp.where(mask, z, _NEG), mask
+    """z [B, Hkv, G, bq, bk] float32, invisible entries at -inf (so exp(z - c) is 0 there for
+    any finite c: no mask after the exponential)."""
+    z = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
+    if scale != 1.0:
+        z = z * scale
+    return jnp.where(_visible(qpos_i, kpos_j, kval_j, qlo_i), z, _NEG)
+
+
+def _folded(q, scale):
+    """(q, the scale left for the scores): float32 queries take the scale once, before the
+    loops (one product per query instead of one per score); others keep it in the scores,
+    in float32, so that a bfloat16 query is not rounded twice."""
+    if q.dtype == jnp.float32:
+        return q * scale, 1.0
+    return q, scale
 
 
 def _forward(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk):
-    """Blocked inputs -> (out [B, nq, bq, Hkv, G, D] float32, lse [B, nq, Hkv, G, bq])."""
-    b, nq, _, hkv, g, d = q.shape
+    """Blocked inputs -> (out [B, nq, Hkv, G, bq, D] float32, lse [B, nq, Hkv, G, bq])."""
+    b, nq, hkv, g, _, d = q.shape
     (k_lo, k_hi), _ = _block_ranges(
         q_pos.reshape(b, -1), k_pos.reshape(b, -1), k_valid.reshape(b, -1), bq, bk
     )
+    q, scale = _folded(q, scale)
 
     def query_block(i):
         qi, qpos_i = q[:, i], q_pos[:, i]
 
         def body(j, carry):
             m, l_sum, acc = carry
-            z, mask = _scores(qi, k[:, j], qpos_i, k_pos[:, j], k_valid[:, j], q_lo[:, i], scale)
+            z = _scores(qi, k[:, j], qpos_i, k_pos[:, j], k_valid[:, j], q_lo[:, i], scale)
             m_new = jnp.maximum(m, jnp.max(z, axis=-1))
             m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-            p = jnp.where(mask, jnp.exp(z - m_safe[..., None]), 0.0)
+            p = jnp.exp(z - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)  # 0 while nothing was visible (m = -inf)
             l_sum = l_sum * alpha + jnp.sum(p, axis=-1)
             pv = jnp.einsum(
-                "bhgqk,bkhd->bhgqd", p.astype(v.dtype), v[:, j], preferred_element_type=jnp.float32
+                "bhgqk,bhkd->bhgqd", p.astype(v.dtype), v[:, j], preferred_element_type=jnp.float32
             )
             return m_new, l_sum, acc * alpha[..., None] + pv
 
@@ -174,21 +186,23 @@ def _forward(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk):
         seen = l_sum > 0
         out = acc / jnp.where(seen, l_sum, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l_sum, 1.0)), _NEG)
-        return jnp.moveaxis(out, 3, 1), lse  # [B, bq, Hkv, G, D], [B, Hkv, G, bq]
+        return out, lse  # [B, Hkv, G, bq, D], [B, Hkv, G, bq]
 
     out, lse = jax.lax.map(query_block, jnp.arange(nq))
     return jnp.moveaxis(out, 0, 1), jnp.moveaxis(lse, 0, 1)
 
 
 def _backward(q, k, v, q_pos, k_pos, k_valid, q_lo, out, lse, do, scale, bq, bk):
-    b, nq, _, hkv, g, d = q.shape
+    b, nq, hkv, g, _, d = q.shape
     nk = k.shape[1]
     _, (first_q, last_q) = _block_ranges(
         q_pos.reshape(b, -1), k_pos.reshape(b, -1), k_valid.reshape(b, -1), bq, bk
     )
-    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)
-    delta = jnp.moveaxis(delta, 2, -1)  # [B, nq, Hkv, G, bq]
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), -1)  # [B, nq, Hkv, G, bq]
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    # z = z_scale (q_s . k) with q_s = q scale / z_scale: dq = scale Σ ds k (scaled once at the
+    # end), dk = z_scale Σ ds q_s (ds: the gradient with respect to z)
+    q, z_scale = _folded(q, scale)
 
     def key_block(dq, j):
         kj, vj = k[:, j], v[:, j]
@@ -196,38 +210,69 @@ def _backward(q, k, v, q_pos, k_pos, k_valid, q_lo, out, lse, do, scale, bq, bk)
         def body(i, carry):
             dq, dk, dv = carry
             qi, doi = q[:, i], do[:, i]
-            z, mask = _scores(qi, kj, q_pos[:, i], k_pos[:, j], k_valid[:, j], q_lo[:, i], scale)
-            p = jnp.where(mask, jnp.exp(z - lse_safe[:, i][..., None]), 0.0)
+            z = _scores(qi, kj, q_pos[:, i], k_pos[:, j], k_valid[:, j], q_lo[:, i], z_scale)
+            p = jnp.exp(z - lse_safe[:, i][..., None])
             dv = dv + jnp.einsum(
-                "bhgqk,bqhgd->bkhd", p.astype(do.dtype), doi, preferred_element_type=jnp.float32
+                "bhgqk,bhgqd->bhkd", p.astype(do.dtype), doi, preferred_element_type=jnp.float32
             )
-            dp = jnp.einsum("bqhgd,bkhd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
-            ds = p * (dp - delta[:, i][..., None]) * scale
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
+            ds = p * (dp - delta[:, i][..., None])
+            if z_scale != 1.0:
+                ds = ds * z_scale
             dk = dk + jnp.einsum(
-                "bhgqk,bqhgd->bkhd", ds.astype(q.dtype), qi, preferred_element_type=jnp.float32
+                "bhgqk,bhgqd->bhkd", ds.astype(q.dtype), qi, preferred_element_type=jnp.float32
             )
             dqi = jnp.einsum(
-                "bhgqk,bkhd->bqhgd", ds.astype(k.dtype), kj, preferred_element_type=jnp.float32
+                "bhgqk,bhkd->bhgqd", ds.astype(k.dtype), kj, preferred_element_type=jnp.float32
             )
             return dq.at[:, i].add(dqi), dk, dv
 
-        zeros = jnp.zeros((b, bk, hkv, d), jnp.float32)
+        zeros = jnp.zeros((b, hkv, bk, d), jnp.float32)
         dq, dk, dv = jax.lax.fori_loop(first_q[j], last_q[j], body, (dq, zeros, zeros))
         return dq, (dk, dv)
 
     dq0 = jnp.zeros(q.shape, jnp.float32)
     dq, (dk, dv) = jax.lax.scan(key_block, dq0, jnp.arange(nk))
+    if z_scale == 1.0:  # the scale was folded into q: dq takes it here, once
+        dq = dq * scale
     return dq, jnp.moveaxis(dk, 0, 1), jnp.moveaxis(dv, 0, 1)
 
 
+def _q_blocks(x, bq: int, hkv: int):
+    """[B, T, Hq, D] -> head-major blocks [B, nq, Hkv, G, bq, D] (padded to whole blocks)."""
+    b, _, hq, d = x.shape
+    x = _pad_to(x, bq, 1, 0).reshape(b, -1, bq, hkv, hq // hkv, d)
+    return x.transpose(0, 1, 3, 4, 2, 5)
+
+
+def _q_tokens(x, t: int):
+    """The inverse of :func:`_q_blocks`: [B, nq, Hkv, G, bq, D] -> [B, t, Hq, D]."""
+    b, nq, hkv, g, bq, d = x.shape
+    return x.transpose(0, 1, 4, 2, 3, 5).reshape(b, nq * bq, hkv * g, d)[:, :t]
+
+
+def _kv_blocks(x, bk: int):
+    """[B, T, Hkv, D] -> head-major blocks [B, nk, Hkv, bk, D]."""
+    b, _, hkv, d = x.shape
+    return _pad_to(x, bk, 1, 0).reshape(b, -1, bk, hkv, d).transpose(0, 1, 3, 2, 4)
+
+
+def _kv_tokens(x, t: int):
+    """The inverse of :func:`_kv_blocks`: [B, nk, Hkv, bk, D] -> [B, t, Hkv, D]."""
+    b, nk, hkv, bk, d = x.shape
+    return x.transpose(0, 1, 3, 2, 4).reshape(b, nk * bk, hkv, d)[:, :t]
+
+
 def _to_blocks(q, k, v, q_pos, k_pos, k_valid, q_lo, bq, bk):
-    b, tq, hq, d = q.shape
+    """Blocks in head-major order (every product inside the loops is then a batched matrix
+    product over (B, Hkv) of contiguous [block, D] tiles, with no transpose in the loop);
+    positions [B, n, block]."""
+    b = q.shape[0]
     hkv = k.shape[2]
-    q = _pad_to(q, bq, 1, 0).reshape(b, -1, bq, hkv, hq // hkv, d)
+    q = _q_blocks(q, bq, hkv)
     q_pos = _pad_to(q_pos, bq, 1, -1).reshape(b, -1, bq)  # padded queries see nothing
     q_lo = _pad_to(q_lo, bq, 1, 0).reshape(b, -1, bq)
-    k = _pad_to(k, bk, 1, 0).reshape(b, -1, bk, hkv, d)
-    v = _pad_to(v, bk, 1, 0).reshape(b, -1, bk, hkv, d)
+    k, v = _kv_blocks(k, bk), _kv_blocks(v, bk)
     k_pos = _pad_to(k_pos, bk, 1, 0).reshape(b, -1, bk)
     k_valid = _pad_to(k_valid, bk, 1, False).reshape(b, -1, bk)
     return q, k, v, q_pos, k_pos, k_valid, q_lo
@@ -242,7 +287,7 @@ def _chunked_fwd(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk):
     b, tq, hq, d = q.shape
     blocks = _to_blocks(q, k, v, q_pos, k_pos, k_valid, q_lo, bq, bk)
     out, lse = _forward(*blocks, scale, bq, bk)
-    result = out.reshape(b, -1, hq, d)[:, :tq].astype(q.dtype)
+    result = _q_tokens(out, tq).astype(q.dtype)
     return result, (q, k, v, q_pos, k_pos, k_valid, q_lo, result, lse)
 
 
@@ -251,11 +296,11 @@ def _chunked_bwd(scale, bq, bk, residuals, g):
     b, tq, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     blocks = _to_blocks(q, k, v, q_pos, k_pos, k_valid, q_lo, bq, bk)
-    do, out = (_pad_to(x, bq, 1, 0).reshape(b, -1, bq, hkv, hq // hkv, d) for x in (g, out))
+    do, out = (_q_blocks(x, bq, hkv) for x in (g, out))
     dq, dk, dv = _backward(*blocks, out, lse, do, scale, bq, bk)
-    dq = dq.reshape(b, -1, hq, d)[:, :tq].astype(q.dtype)
-    dk = dk.reshape(b, -1, hkv, d)[:, :tk].astype(k.dtype)
-    dv = dv.reshape(b, -1, hkv, d)[:, :tk].astype(v.dtype)
+    dq = _q_tokens(dq, tq).astype(q.dtype)
+    dk = _kv_tokens(dk, tk).astype(k.dtype)
+    dv = _kv_tokens(dv, tk).astype(v.dtype)
     return dq, dk, dv, None, None, None, None
 
 

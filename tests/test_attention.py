@@ -3,6 +3,8 @@ grouped heads, empty rows, dtypes; and no [T, T] matrix kept for the backward pa
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,6 +123,19 @@ def test_bfloat16_inputs_accumulate_in_float32():
     assert out.dtype == jnp.bfloat16
     # bfloat16 inputs (8 bits of mantissa): within a few percent of the float32 result
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=0.05, rtol=0.05)
+    # ... and so are the gradients (bfloat16 keeps the scale in the float32 scores; float32
+    # queries take it before the loops: both ways against the float32 reference)
+    w = jnp.asarray(rng.normal(size=ref.shape), jnp.float32)
+
+    def grads(fn, dtype):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w)  # noqa: E731
+        return jax.grad(loss, (0, 1, 2))(*(x.astype(dtype) for x in (q, k, v)))
+
+    chunked = functools.partial(attention, implementation="chunked", block_q=16, block_k=16)
+    pairs = zip(grads(chunked, jnp.bfloat16), grads(reference_attention, jnp.float32), strict=True)
+    for got, want in pairs:
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.03 * scale)
 
 
 def test_the_backward_pass_keeps_no_token_by_token_matrix():
