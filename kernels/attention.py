@@ -315,8 +315,10 @@ def default_block() -> int:
     measured on one SmolLM2-135M layer (9 heads of 64, two threads) at 2 x 512 tokens, the
     one-block reference took 82 ms forward and 277 ms forward+backward, 128-blocks 52 and 215
     (the whole model's forward+backward with chunked log-probs: 96 -> 115-121 tokens/s); at
-    1 x 1,024 tokens the reference took 161/621 ms, 128-blocks 68/262, 256-blocks 61/246. On GPU
-    and TPU the blocks feed matrix units, where larger ones pay."""
+    1 x 1,024 tokens the reference took 161/621 ms, 128-blocks 68/262, 256-blocks 61/246. With
+    the head-major blocks, forward+backward of the SmolLM2 layer: 128-blocks 58 ms, 64-blocks
+    65, 256-blocks 79, one 512-block 81 (PyTorch's fused attention in the same process: 54). On
+    GPU and TPU the blocks feed matrix units, where larger ones pay."""
     return 128 if jax.default_backend() == "cpu" else 512
 
 
