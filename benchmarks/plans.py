@@ -98,7 +98,10 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for model, length, devices in grid(args):
             peak, _, verdict = plan(proposal_flags(model, length, devices, args.propose) + extra)
-            print(f"| {model} | {length:,} | {devices} | {peak:.1f} | {verdict} |", flush=True)
+            # where the weights and moments alone do not fit, no setting was searched: the
+            # peak printed is the defaults' (thousands of GiB), not a plan anyone would run
+            shown = "–" if "alone take" in verdict else f"{peak:.1f}"
+            print(f"| {model} | {length:,} | {devices} | {shown} | {verdict} |", flush=True)
         return
     print(f"recipe: {' '.join(recipe('MODEL', 0, 8, extra)[2:])} (see the docstring)")
     print("| model | tokens | devices | peak GiB / device | at | H200 141 GB | v5p 95 GB |")
