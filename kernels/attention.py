@@ -284,7 +284,7 @@ def _chunked(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk):
 
 
 def _chunked_fwd(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk):
-    b, tq, hq, d = q.shape
+    tq = q.shape[1]
     blocks = _to_blocks(q, k, v, q_pos, k_pos, k_valid, q_lo, bq, bk)
     out, lse = _forward(*blocks, scale, bq, bk)
     result = _q_tokens(out, tq).astype(q.dtype)
@@ -293,8 +293,7 @@ def _chunked_fwd(q, k, v, q_pos, k_pos, k_valid, q_lo, scale, bq, bk):
 
 def _chunked_bwd(scale, bq, bk, residuals, g):
     q, k, v, q_pos, k_pos, k_valid, q_lo, out, lse = residuals
-    b, tq, hq, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
+    tq, (tk, hkv) = q.shape[1], k.shape[1:3]
     blocks = _to_blocks(q, k, v, q_pos, k_pos, k_valid, q_lo, bq, bk)
     do, out = (_q_blocks(x, bq, hkv) for x in (g, out))
     dq, dk, dv = _backward(*blocks, out, lse, do, scale, bq, bk)

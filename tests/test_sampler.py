@@ -142,8 +142,13 @@ def test_weights_held_one_array_a_layer_sample_what_the_stacked_ones_do():
     # by default: on the CPU from SPLIT_LAYERS_FROM bytes of weights, never on accelerators
     from train.engine.sampler import SPLIT_LAYERS_FROM, splits_layers
 
-    assert splits_layers(SPLIT_LAYERS_FROM, "cpu") and not splits_layers(SPLIT_LAYERS_FROM, "gpu")
-    assert not splits_layers(SPLIT_LAYERS_FROM - 1, "cpu")
+    def weights(n_bytes):  # two arrays of n_bytes in all, as a sampler's state would hold them
+        half = jax.ShapeDtypeStruct((n_bytes // 2,), jnp.int8)
+        return {"a": half, "b": jax.ShapeDtypeStruct((n_bytes - n_bytes // 2,), jnp.int8)}
+
+    assert splits_layers(weights(SPLIT_LAYERS_FROM), "cpu")
+    assert not splits_layers(weights(SPLIT_LAYERS_FROM), "gpu")
+    assert not splits_layers(weights(SPLIT_LAYERS_FROM - 1), "cpu")
     assert Sampler(model, capacity=32).graphdef == nnx.split(model)[0]  # these weights: a stack
 
     stacked = Sampler(model, capacity=32, split_layers=False)

@@ -336,7 +336,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
 
     actor_bytes = state["actor parameters"]
     sampler_resident = resident
-    if splits_layers(_bytes_per_device(actor), platform or jax.default_backend()):
+    if splits_layers(actor, platform or jax.default_backend()):  # the sampler's own rule
         # the sampler's own copy of the weights, one array a layer (Sampler's split_layers)
         state["sampler weights, one array a layer (rollouts only)"] = actor_bytes
         sampler_resident += actor_bytes

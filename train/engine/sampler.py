@@ -162,16 +162,15 @@ def as_key(seed) -> jax.Array:
 SPLIT_LAYERS_FROM = 64 * 2**20
 
 
-def splits_layers(weight_bytes: int, platform: str) -> bool:
-    """Whether a sampler holds its weights one array a layer by default
+def splits_layers(weights, platform: str) -> bool:
+    """Whether a sampler holds ``weights`` (a pytree of arrays or ShapeDtypeStructs: the
+    sampler's own state, or the plan's abstract one) one array a layer by default
     (:func:`train.model.qwen3.unstacked`): on the CPU, whose compiler copies a stacked layer's
-    weights at every decode step, for weights of at least :data:`SPLIT_LAYERS_FROM` bytes; never
-    on accelerators, where the copy would cost device memory."""
-    return platform == "cpu" and weight_bytes >= SPLIT_LAYERS_FROM
-
-
-def _nbytes(tree) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    weights at every decode step, for weights of at least :data:`SPLIT_LAYERS_FROM` bytes in all;
+    never on accelerators, where the copy would cost device memory."""
+    if platform != "cpu":
+        return False
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(weights)) >= SPLIT_LAYERS_FROM
 
 
 class Sampler:
@@ -204,7 +203,7 @@ class Sampler:
     ):
         self.graphdef, state = nnx.split(model)
         if split_layers is None:
-            split_layers = splits_layers(_nbytes(state), jax.default_backend())
+            split_layers = splits_layers(state, jax.default_backend())
         self._lay_out = None
         if split_layers and getattr(model.cfg, "stack_layers", False) and model.cfg.num_layers > 1:
             self.graphdef, self._lay_out = unstacked(model)
