@@ -265,3 +265,55 @@ def test_real_model_report_pools_the_start_and_summarises_seeds(tmp_path):
     assert "## The best run, exported" in text and "70 [60, 78]" in text
     assert "Within its interval." in text and "python -m train.evaluate --model-path X" in text
     assert real_model.best_run({}) is None
+
+
+def test_real_model_report_keeps_recorded_runs_and_the_study_skips_them(tmp_path, monkeypatch):
+    """Run directories stay on the machine that ran them: a fresh clone's report keeps the
+    committed results.json's runs (a finished run directory wins over its record), and the
+    study neither reruns a recorded run nor re-evaluates a recorded start."""
+    from train.study import real_model
+
+    game = real_model.MAIN_GAME
+    start = {"success": 0.02, "format_errors": 0.77, "episodes": 200, "wilson": [0.02, 0, 0.05]}
+
+    def figures(end):
+        rows = [{"step": 5, real_model.HELDOUT: end / 2, "env_format_error_rate": 0.5},
+                {"step": 10, real_model.HELDOUT: end, "update_s": 9.0}]  # fmt: skip
+        return rows, {**real_model.run_figures(rows, 0.02, 32), "wall_s": 60.0}
+
+    recorded = {game: {"start": start, "presets": {"grpo": {"seeds": {
+        "0": figures(0.5)[1], "1": figures(0.25)[1]}}}}}  # fmt: skip
+    root = tmp_path / "runs"
+    newer = real_model.Cell(game, "grpo", 1).run_dir(root)  # rerun here: it wins over its record
+    newer.mkdir(parents=True)
+    rows = figures(1.0)[0]
+    (newer / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (newer / "config.json").write_text(json.dumps({"eval_episodes": 16, "eval_k": 2}))
+    (newer / "study.json").write_text(json.dumps({"wall_s": 600.0}))
+    results = real_model.summarise(root, recorded=json.loads(json.dumps(recorded)))
+    grpo = results[game]["presets"]["grpo"]
+    assert results[game]["start"] == start and sorted(grpo["seeds"]) == [0, 1]
+    assert grpo["seeds"][0]["heldout_final"] == 0.5 and grpo["seeds"][1]["heldout_final"] == 1.0
+    assert grpo["heldout_final"]["mean"] == pytest.approx(0.75)
+    assert game not in real_model.summarise(root)  # no start here, none recorded: not reported
+    with pytest.raises(SystemExit, match="not on this machine"):
+        real_model.export_best(
+            root, {game: {"presets": {"grpo": {"seeds": {0: grpo["seeds"][0]}}}}}, "m"
+        )
+
+    out, model = tmp_path / "report", tmp_path / "model"
+    out.mkdir()
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (out / "results.json").write_text(json.dumps(recorded))
+    ran, started = [], []
+    monkeypatch.setattr(real_model, "evaluate_start", lambda g, *a: started.append(g))
+    monkeypatch.setattr(real_model, "run_cell", lambda c, *a: ran.append(c) or {"skipped": True})
+    monkeypatch.setattr(real_model, "plot", lambda *a: [])
+    argv = ["--runs", str(tmp_path / "fresh"), "--out", str(out), "--model-path", str(model)]
+    assert real_model.main(argv) == 0
+    skipped = {real_model.Cell(game, "grpo", 0), real_model.Cell(game, "grpo", 1)}
+    assert ran == [c for c in real_model.cells() if c not in skipped]
+    assert game not in started and started  # the other game's start is still to measure
+    kept = json.loads((out / "results.json").read_text())[game]["presets"]["grpo"]["seeds"]
+    assert kept["0"]["heldout_final"] == 0.5 and kept["1"]["heldout_final"] == 0.25

@@ -179,25 +179,55 @@ def run_figures(rows: list[dict], start: float, eval_episodes: int) -> dict[str,
     return out
 
 
-def summarise(root: Path, model: str = MODEL) -> dict[str, Any]:
+def recorded_start(recorded: dict[str, Any], game: str) -> dict[str, Any] | None:
+    """``game``'s starting point as an earlier report (its ``results.json``) recorded it."""
+    return recorded.get(game, {}).get("start")
+
+
+def recorded_figures(recorded: dict[str, Any], cell: Cell) -> dict[str, Any] | None:
+    """``cell``'s figures as an earlier report (its ``results.json``) recorded them, or None."""
+    by_preset = recorded.get(cell.game, {}).get("presets", {}).get(cell.preset, {})
+    seeds = by_preset.get("seeds", {})
+    return seeds.get(str(cell.seed), seeds.get(cell.seed))
+
+
+def finished_figures(cell: Cell, root: Path, start: float) -> dict[str, Any] | None:
+    """``cell``'s figures from its finished run directory under ``root``, or None."""
+    run_dir = cell.run_dir(root)
+    rows = read_metrics(run_dir)
+    done = finished_record(run_dir)
+    if done is None or not rows:
+        return None
+    config = json.loads((run_dir / "config.json").read_text())
+    figures = run_figures(rows, start, config["eval_episodes"] * config["eval_k"])
+    figures["wall_s"] = done["wall_s"]
+    return figures
+
+
+def summarise(
+    root: Path, model: str = MODEL, recorded: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Per game: the start and, per preset, every finished seed's figures and the mean and 95%
-    bootstrap interval over seeds of the end and the AUC."""
+    bootstrap interval over seeds of the end and the AUC.
+
+    A run's figures come from its finished run directory under ``root`` or, where that is not
+    here (run directories hold checkpoints and stay on the machine that ran them), from
+    ``recorded``: the report an earlier study wrote (``results.json``), so the committed
+    results carry over to a fresh clone instead of being lost at the next report. The start
+    likewise."""
+    recorded = recorded or {}
     results: dict[str, Any] = {}
     for game in games():
-        start = start_point(root, game)
+        start = start_point(root, game) or recorded_start(recorded, game)
         if start is None:
             continue
         entry: dict[str, Any] = {"start": start, "presets": {}}
         for cell in (c for c in cells() if c.game == game):
-            run_dir = cell.run_dir(root)
-            rows = read_metrics(run_dir)
-            done = finished_record(run_dir)
-            if done is None or not rows:
+            figures = finished_figures(cell, root, start["success"])
+            if figures is None:
+                figures = recorded_figures(recorded, cell)
+            if figures is None:
                 continue
-            config = json.loads((run_dir / "config.json").read_text())
-            episodes = config["eval_episodes"] * config["eval_k"]
-            figures = run_figures(rows, start["success"], episodes)
-            figures["wall_s"] = done["wall_s"]
             entry["presets"].setdefault(cell.preset, {"seeds": {}})["seeds"][cell.seed] = figures
         for by_preset in entry["presets"].values():
             runs = list(by_preset["seeds"].values())
@@ -371,6 +401,9 @@ def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, An
         raise SystemExit("--export-best: no finished run of the main game yet")
     cell, figures = found
     run_dir, out = cell.run_dir(root), Path(root) / "export-best"
+    if not (run_dir / "config.json").exists():
+        raise SystemExit(f"--export-best: the best run ({cell}) is recorded in the report, but "
+                         f"its run directory {run_dir} is not on this machine")  # fmt: skip
     if not (out / "config.json").exists():
         export.export(run_dir, out, dtype="float32")
     cfg = run_config(run_dir)
@@ -416,22 +449,28 @@ def main(argv: list[str] | None = None) -> int:
         "--export-best", action="store_true", help="export the best run and check the export"
     )
     args = parser.parse_args(argv)
-    root = Path(args.runs)
+    root, out = Path(args.runs), Path(args.out)
+    recorded = (
+        json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+    )
     if not args.report_only and not args.export_best:
         if not (Path(args.model_path) / "config.json").exists():
             raise SystemExit(f"--model-path: no converted model at {args.model_path}; run "
                              "`make smollm2` first")  # fmt: skip
         todo = cells()
         for n, cell in enumerate(todo, 1):
-            if start_point(root, cell.game) is None:  # a game's start before its first run
+            have_start = start_point(root, cell.game) or recorded_start(recorded, cell.game)
+            if have_start is None:  # a game's start before its first run
                 started = time.perf_counter()
                 evaluate_start(cell.game, root, args.model_path)
                 print(f"start of {cell.game}: {time.perf_counter() - started:.0f} s", flush=True)
+            if finished_record(cell.run_dir(root)) is None and recorded_figures(recorded, cell):
+                print(f"[{n}/{len(todo)}] {cell}: recorded in {out}/results.json", flush=True)
+                continue
             record = run_cell(cell, root, args.model_path)
             state = "skipped (done)" if record["skipped"] else f"{record['wall_s']:.0f} s"
             print(f"[{n}/{len(todo)}] {cell}: {state}", flush=True)
-    results = summarise(root, args.model_path)
-    out = Path(args.out)
+    results = summarise(root, args.model_path, recorded)
     out.mkdir(parents=True, exist_ok=True)
     if args.export_best:
         check = export_best(root, results, args.model_path)
