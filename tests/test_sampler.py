@@ -60,6 +60,34 @@ def test_continuing_from_the_cache_equals_generating_from_the_full_prefix(tiny_q
         np.testing.assert_allclose(turn2.logprobs[i], fresh.logprobs[0], atol=1e-5)
 
 
+def test_a_prefill_runs_only_the_rows_with_new_tokens_and_leaves_the_rest(tiny_qwen3):
+    """Five rows, new ids for one or two: the call runs a power of two of rows (padded with
+    rows that get none), and every row's logits and cache equal a prefill of all five."""
+    _, model = tiny_qwen3
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+    subset, whole = (Sampler(model, batch_size=5, capacity=64) for _ in range(2))
+    whole._rows_to_extend = lambda n_new: None  # every row in every call
+    for sampler in (subset, whole):
+        sampler.start(prompts)
+    for new in ([None, None, [21, 22, 23], None, None], [[24], None, None, [25, 26], None]):
+        counts = np.array([len(r or ()) for r in new])
+        chosen = subset._rows_to_extend(counts)
+        assert len(chosen) == 1 << (int(np.count_nonzero(counts)) - 1).bit_length()
+        assert set(np.flatnonzero(counts)) <= set(chosen) and len(set(chosen)) == len(chosen)
+        subset.extend(new)
+        whole.extend(new)
+        np.testing.assert_array_equal(subset.lengths, whole.lengths)
+        np.testing.assert_allclose(subset.next_logits, whole.next_logits, atol=1e-5)
+        for got, want in zip(subset.cache, whole.cache, strict=True):
+            for row, n in enumerate(subset.lengths):  # a row's first `length` slots are read
+                np.testing.assert_allclose(got[:, row, :n], want[:, row, :n], atol=1e-5)
+    assert subset._rows_to_extend(np.array([1, 2, 0, 3, 1])).tolist() == [0, 1, 3, 4]
+    assert subset._rows_to_extend(np.array([1, 2, 0, 3, 0])).tolist() == [0, 1, 2, 3]
+    assert subset._rows_to_extend(np.array([1, 2, 1, 3, 1])) is None  # every row: as they are
+    a = subset.generate(max_new_tokens=6, temperature=0.0).tokens
+    assert a == whole.generate(max_new_tokens=6, temperature=0.0).tokens
+
+
 def test_sampled_logprobs_equal_the_learners_recomputation(tiny_qwen3):
     # The RL invariant: behaviour policy = old policy, at the sampling temperature.
     _, model = tiny_qwen3

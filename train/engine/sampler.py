@@ -264,18 +264,36 @@ class Sampler:
             width = min(bucket(int(part.max())), self.prefill_chunk)
             chunk = np.zeros((len(rows), width), np.int32)
             chunk[:, : min(width, longest - lo)] = ids[:, lo : lo + width]
+            some = self._rows_to_extend(part)
+            sel = slice(None) if some is None else some
             with self.device:
                 self.next_logits, self.cache = _extend_jit(
                     self.graphdef,
                     self.state,
                     self.cache,
-                    jnp.asarray(chunk),
-                    jnp.asarray(self.lengths),
-                    jnp.asarray(part),
+                    jnp.asarray(chunk[sel]),
+                    jnp.asarray(self.lengths[sel]),
+                    jnp.asarray(part[sel]),
                     self.next_logits,
+                    None if some is None else jnp.asarray(some),
                 )
                 jax.block_until_ready(self.next_logits)
             self.lengths = self.lengths + part
+
+    def _rows_to_extend(self, n_new: np.ndarray) -> np.ndarray | None:
+        """The cache rows one prefill call runs: those with new tokens, padded with rows that
+        have none (left as they are) to a power of two, so a call costs the rows that need it
+        (a slot engine's call often has one or two of many) in at most log2(rows) + 1 programs
+        a width; None: every row (as many, or a cache laid over several devices, whose rows
+        stay where they are)."""
+        if self.mesh is not None:
+            return None
+        have = np.flatnonzero(n_new > 0)
+        count = bucket(len(have), minimum=1)
+        if count >= len(n_new):
+            return None
+        pad = np.flatnonzero(n_new == 0)[: count - len(have)]
+        return np.sort(np.concatenate([have, pad])).astype(np.int32)
 
     def start(self, prompts: Sequence[Sequence[int]]) -> None:
         """Starts a batch (one row per prompt) and prefills it; the cache is allocated here."""
@@ -410,11 +428,14 @@ def empty_cache(cfg, rows: int, slots: int, mesh=None) -> KVCache:
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _extend_jit(graphdef, state, cache, ids, offsets, n_new, old_logits):
+def _extend_jit(graphdef, state, cache, ids, offsets, n_new, old_logits, rows=None):
+    """Prefills ``ids`` [B, L] (row b: its first ``n_new[b]``) into cache rows ``rows`` [B]
+    (None: every row, in order); returns every cache row's next-token logits and the cache."""
     model = nnx.merge(graphdef, state)
-    logits, cache = model.extend(ids, offsets, n_new, cache)
-    logits = jnp.where((n_new > 0)[:, None], logits, old_logits)
-    return logits, cache
+    logits, cache = model.extend(ids, offsets, n_new, cache, rows)
+    kept = old_logits if rows is None else old_logits[rows]
+    logits = jnp.where((n_new > 0)[:, None], logits, kept)
+    return (logits if rows is None else old_logits.at[rows].set(logits)), cache
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 9, 10, 11, 12, 13), donate_argnums=(3,))

@@ -290,13 +290,15 @@ def constrain_rows(x: jax.Array) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, jax.P(BATCH_AXES))
 
 
-def _write_rows(cache: jax.Array, new: jax.Array, offsets: jax.Array, layer) -> jax.Array:
-    """Writes new [B, L, ...] into entry ``layer`` of cache [layers, B, S, ...] at slots
-    offsets[b] + 0..L-1 of each row; slots past the end are dropped (so a cache needs no room for
-    a padded write past its end). Only those slots are written (a scatter into the stack), never
-    a whole layer's cache sliced out and back."""
+def _write_rows(
+    cache: jax.Array, new: jax.Array, offsets: jax.Array, layer, rows: jax.Array | None = None
+) -> jax.Array:
+    """Writes new [B, L, ...] into entry ``layer`` of cache [layers, R, S, ...] at slots
+    offsets[b] + 0..L-1 of cache row ``rows[b]`` (default: row b); slots past the end are dropped
+    (so a cache needs no room for a padded write past its end). Only those slots are written (a
+    scatter into the stack), never a whole layer's cache sliced out and back."""
     b, length = new.shape[:2]
-    rows = jnp.arange(b)[:, None]
+    rows = (jnp.arange(b) if rows is None else rows)[:, None]
     slots = offsets[:, None] + jnp.arange(length)[None]
     return cache.at[layer, rows, slots].set(new.astype(cache.dtype), mode="drop")
 
@@ -451,16 +453,18 @@ class DecoderLayer(nnx.Module):
         x = constrain_rows(x + self.self_attn(self.input_layernorm(x), positions, causal=causal))
         return constrain_rows(x + self.mlp(self.post_attention_layernorm(x)))
 
-    def extend(self, x, positions, causal, cache_k, cache_v, offsets, layer):
+    def extend(self, x, positions, causal, cache_k, cache_v, offsets, layer, rows=None):
         """Like __call__ for new tokens x [B, L, D]: their keys/values are written into entry
-        ``layer`` of the model's stacked cache [layers, B, S, Hkv, D] at each row's offset (only
+        ``layer`` of the model's stacked cache [layers, R, S, Hkv, D] at each row's offset (only
         the new slots are written: the stack is updated in place), and they attend over that
-        layer's whole cache."""
+        layer's whole cache; row b of x lives in cache row ``rows[b]`` (default: b)."""
         h = self.input_layernorm(x)
         k_new, v_new = self.self_attn.project_kv(h, positions)
-        cache_k = _write_rows(cache_k, k_new, offsets, layer)
-        cache_v = _write_rows(cache_v, v_new, offsets, layer)
+        cache_k = _write_rows(cache_k, k_new, offsets, layer, rows)
+        cache_v = _write_rows(cache_v, v_new, offsets, layer, rows)
         kv = (cache_k[layer], cache_v[layer])
+        if rows is not None:
+            kv = (kv[0][rows], kv[1][rows])
         x = x + self.self_attn(h, positions, causal=causal, kv=kv)
         return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
 
@@ -505,7 +509,9 @@ class DecoderStack(nnx.Module):
         x, _ = jax.lax.scan(step, x, state)
         return x
 
-    def extend(self, x, positions, causal, cache: KVCache, offsets) -> tuple[jax.Array, KVCache]:
+    def extend(
+        self, x, positions, causal, cache: KVCache, offsets, rows=None
+    ) -> tuple[jax.Array, KVCache]:
         """:meth:`DecoderLayer.extend` through the stack; ``cache`` is the model's whole cache,
         updated in place (the scan carries it) at this stack's layers."""
         graphdef, state = nnx.split(self.layer)
@@ -514,7 +520,7 @@ class DecoderStack(nnx.Module):
             x, k, v = carry
             layer_state, index = xs
             layer = nnx.merge(graphdef, layer_state)
-            x, k, v = layer.extend(x, positions, causal, k, v, offsets, index)
+            x, k, v = layer.extend(x, positions, causal, k, v, offsets, index, rows)
             return (x, k, v), None
 
         layers = jnp.arange(self.first, self.first + self.count)
@@ -608,7 +614,7 @@ class Qwen3Model(nnx.Module):
             x = stack(x, rope_positions, causal)
         return self.norm(x)
 
-    def extend(self, input_ids, offsets, n_new, cache: KVCache):
+    def extend(self, input_ids, offsets, n_new, cache: KVCache, rows=None):
         """Appends tokens to a live cache and returns their hidden states.
 
         Args:
@@ -618,6 +624,8 @@ class Qwen3Model(nnx.Module):
             positions and slots offsets[b], offsets[b] + 1, ...).
           n_new: int [B], how many of the L columns are real for each row (0 leaves a row as is).
           cache: the :class:`KVCache`; slots past its capacity are dropped.
+          rows: int [B], the cache row each of the B rows lives in (distinct; default: row b in
+            cache row b): a few rows of a larger cache are extended without the others.
 
         Returns:
           (hidden [B, L, D] after the final norm, the updated cache).
@@ -630,7 +638,7 @@ class Qwen3Model(nnx.Module):
         causal = (positions, slots, valid)
         x = constrain_rows(self.embed_tokens(input_ids))
         for stack in self.layers:
-            x, cache = stack.extend(x, positions, causal, cache, offsets)
+            x, cache = stack.extend(x, positions, causal, cache, offsets, rows)
         return self.norm(x), cache
 
 
@@ -666,10 +674,10 @@ class Qwen3ForCausalLM(nnx.Module):
         logits = self.logits(hidden)
         return (logits, hidden) if return_hidden else logits
 
-    def extend(self, input_ids, offsets, n_new, cache: KVCache):
+    def extend(self, input_ids, offsets, n_new, cache: KVCache, rows=None):
         """:meth:`Qwen3Model.extend`, returning the next-token logits [B, vocab] after each row's
         last new token (computed for that one position only) and the updated cache."""
-        hidden, cache = self.model.extend(input_ids, offsets, n_new, cache)
+        hidden, cache = self.model.extend(input_ids, offsets, n_new, cache, rows)
         last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)
         return self.logits(last)[:, 0], cache
 
