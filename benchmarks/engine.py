@@ -29,12 +29,13 @@ median m, σ 0.5) for each median in ``--latencies``. Configurations, each on th
 ``--refill r[,r2,...]``: ``collect_continuous``'s ``refill`` (default 0, the engine's); several
 values run every engine configuration at each, side by side in one run.
 
-Every configuration is run once untimed (compiles), then timed ``--reps`` times; the table prints
-medians: episodes/s, sampled tokens/s, utilisation (the share of decode slot-steps that sampled
-a live token; lockstep: live rows / batch rows over its rounds), the same over the chunks started
-while an episode waited for a slot ("contended": every slot held; the step's drain, when fewer
-episodes are left than slots, left out), the device's idle share (wall
-time outside prefill and decode calls), and episodes/s over lockstep in the same run.
+Every configuration is run once untimed (compiles), then timed ``--reps`` times, the configurations
+taking turns (one run of each, then the next round, so a load that drifts reaches all of them
+alike); the table prints medians: episodes/s, sampled tokens/s, utilisation (the share of decode
+slot-steps that sampled a live token; lockstep: live rows / batch rows over its rounds), the same
+over the chunks started while an episode waited for a slot ("contended": every slot held; the step's
+drain, when fewer episodes are left than slots, left out), the device's idle share (wall time
+outside prefill and decode calls), and episodes/s over lockstep in the same run.
 """
 
 from __future__ import annotations
@@ -237,32 +238,24 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for task in args.tasks.split(","):
         model, codec, make, max_len = workload(task)
-        for config, _ in configs:  # compile every program once
-            run_once(config, model, codec, make, max_len, args.episodes, 0.0, args.new, args.chunk)
+        shape = (model, codec, make, max_len, args.episodes)
+        for config, refill in configs:  # compile every program once (each refill calls its own)
+            run_once(config, *shape, 0.0, args.new, args.chunk, refill)
         for latency in latencies:
-            rows = {}
-            for config, refill in configs:
-                runs = [
-                    run_once(
-                        config,
-                        model,
-                        codec,
-                        make,
-                        max_len,
-                        args.episodes,
-                        latency,
-                        args.new,
-                        args.chunk,
-                        refill,
-                    )  # fmt: skip
-                    for _ in range(args.reps)
-                ]
-                named = (
-                    config
-                    if len(refills) == 1 or config == "lockstep"
-                    else (f"{config}, refill {refill:g}")
-                )
-                rows[named] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            runs: dict[str, list[dict]] = {}
+            for _ in range(args.reps):  # round-robin: a load that drifts reaches every config
+                for config, refill in configs:
+                    named = (
+                        config
+                        if len(refills) == 1 or config == "lockstep"
+                        else (f"{config}, refill {refill:g}")
+                    )
+                    run = run_once(config, *shape, latency, args.new, args.chunk, refill)
+                    runs.setdefault(named, []).append(run)
+            rows = {
+                named: {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+                for named, reps in runs.items()
+            }
             base = rows.get("lockstep", {}).get("eps_s")
             for config, r in rows.items():
                 ratio = f"{r['eps_s'] / base:.2f}x" if base else "–"
