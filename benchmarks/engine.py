@@ -26,8 +26,9 @@ median m, σ 0.5) for each median in ``--latencies``. Configurations, each on th
   flight as slots): an episode waiting on its tool gives its slot up and recomputes its prefix;
 * ``engine-half-hold``: the same, holding the slot while it waits (``recompute=False``).
 
-``--refill r[,r2,...]``: ``collect_continuous``'s ``refill`` (default 0, the engine's); several
-values run every engine configuration at each, side by side in one run.
+``--refill r[,r2,...]``: ``collect_continuous``'s ``refill`` (default the engine's,
+``REFILL``; 0: chunks run to their end); several values run every engine configuration at each,
+side by side in one run.
 
 Every configuration is run once untimed (compiles), then timed ``--reps`` times, the configurations
 taking turns (one run of each, then the next round, so a load that drifts reaches all of them
@@ -53,7 +54,7 @@ import envs
 from envs.base import StepResult
 from envs.latency import WithLatency
 from envs.rollout import collect
-from train.engine.continuous import collect_continuous
+from train.engine.continuous import REFILL, collect_continuous
 from train.engine.sampler import Sampler
 from train.model.qwen3 import ModelConfig, Qwen3ForCausalLM
 
@@ -142,7 +143,7 @@ def workload(task: str):
     raise SystemExit(f"--tasks: unknown workload {task!r}; choose synthetic or search")
 
 
-def run_once(config, model, codec, make, max_len, episodes, latency, new, chunk, refill=0.0):
+def run_once(config, model, codec, make, max_len, episodes, latency, new, chunk, refill=REFILL):
     batch = make(episodes, latency)
     sampler = Sampler(model, capacity=max_len)
     args = dict(
@@ -214,7 +215,9 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=16, help="decode steps a chunk")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument(
-        "--refill", default="0", help="collect_continuous's refill; several (0,0.5): side by side"
+        "--refill",
+        default=f"{REFILL:g}",
+        help="collect_continuous's refill (default the engine's); several (0,0.5): side by side",
     )
     p.add_argument("--configs", default=",".join(CONFIGS))
     args = p.parse_args()

@@ -272,12 +272,16 @@ def test_engine_settings_refuse_what_does_not_apply():
         (["--env-timeout", "3"], "env_timeout"),
         (["--engine", "lockstep", "--decode-chunk", "8"], "decode_chunk"),
         (["--decode-refill", "1.5"], "decode_refill: must be in"),
-        (["--engine", "lockstep", "--decode-refill", "0.5"], "decode_refill"),
-    ):
+        (["--engine", "lockstep", "--decode-refill", "0"], "decode_refill"),
+        (["--rollout-backend", "vllm", "--rollout-url", "http://h:1", "--decode-refill", "1"],
+         "decode_refill: a setting of our own engine"),
+    ):  # fmt: skip
         with pytest.raises(ValueError, match=field):
             parse_args(flags)
     assert parse_args(["--slots", "8", "--env-workers", "4"]).engine_settings().slots == 8
-    assert parse_args(["--decode-refill", "0.5"]).engine_settings().decode_refill == 0.5
+    assert parse_args([]).engine_settings().decode_refill == 0.5  # the engine's default
+    assert parse_args(["--decode-refill", "0"]).engine_settings().decode_refill == 0
+    assert parse_args(["--engine", "lockstep"]).engine_settings().engine == "lockstep"
 
 
 def test_tool_latency_is_log_normal_around_its_median_and_the_same_per_seed():

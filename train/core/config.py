@@ -101,7 +101,7 @@ class TrainConfig:
     engine: str = "continuous"
     slots: int = 0
     decode_chunk: int = 0
-    decode_refill: float = 0.0
+    decode_refill: float = EngineSettings.decode_refill
     env_workers: int = 0
     env_timeout: float = 0.0
     # Generation on inference servers (train.engine.servers)
@@ -263,7 +263,7 @@ class TrainConfig:
                 "URLs (--rollout-url http://host:port[,http://host2:port])"
             )
         for name in ("slots", "decode_chunk", "decode_refill", "env_workers", "env_timeout"):
-            if getattr(self, name):
+            if getattr(self, name) != getattr(TrainConfig, name):  # off its default
                 raise ValueError(
                     f"{name}: a setting of our own engine; with --rollout-backend "
                     f"{self.rollout_backend} the server batches (use --rollout-concurrency)"
@@ -378,8 +378,8 @@ HELP: dict[str, str] = {
     "decode_chunk": "decode steps between the continuous engine's host visits (0: a whole turn "
     "budget); short chunks admit answered episodes sooner",
     "decode_refill": "while episodes wait for a slot or an answer, end a decode chunk once this "
-    "share of its live slots ended their turns (0: at the chunk's end; 0 < r <= 1), so freed "
-    "slots are handed on sooner at the cost of more host visits",
+    "share of its live slots ended their turns (0 < r <= 1; 0: at the chunk's end), so freed "
+    "slots are handed on sooner at the cost of more host visits; no effect where nothing waits",
     "env_workers": "threads stepping environments concurrently in the continuous engine (0: "
     "inline, in slot order; > 0 overlaps tools with decoding; each episode samples from its own "
     "random stream, so the tokens are the same either way)",

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from envs.rollout import Rollouts, collect
-from train.engine.continuous import collect_continuous
+from train.engine.continuous import REFILL, collect_continuous
 
 __all__ = ["ENGINES", "EngineSettings", "play"]
 
@@ -27,8 +27,9 @@ ENGINES = ("continuous", "lockstep")
 @dataclasses.dataclass(frozen=True)
 class EngineSettings:
     """How episodes are played. 0 means the default: ``slots`` one per episode, ``decode_chunk``
-    the turn budget, ``env_workers`` inline stepping, ``env_timeout`` no limit, ``decode_refill``
-    chunks that run to their end (see :func:`train.engine.continuous.collect_continuous`)."""
+    the turn budget, ``env_workers`` inline stepping, ``env_timeout`` no limit; ``decode_refill``
+    the early chunk end (default :data:`~train.engine.continuous.REFILL`, 0: chunks run to their
+    end; see :func:`train.engine.continuous.collect_continuous`)."""
 
     engine: str = "continuous"
     slots: int = 0
@@ -36,7 +37,7 @@ class EngineSettings:
     env_workers: int = 0
     env_timeout: float = 0.0
     recompute: bool = True
-    decode_refill: float = 0.0
+    decode_refill: float = REFILL
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -48,11 +49,11 @@ class EngineSettings:
             raise ValueError(f"decode_refill: must be in [0, 1], got {self.decode_refill}")
         if self.env_timeout and not self.env_workers:
             raise ValueError("env_timeout: needs env_workers > 0 (an inline step cannot be timed)")
-        if self.engine == "lockstep":
+        if self.engine == "lockstep":  # any of the continuous engine's settings off its default
             given = [
                 n
                 for n in ("slots", "decode_chunk", "env_workers", "env_timeout", "decode_refill")
-                if getattr(self, n)
+                if getattr(self, n) != getattr(EngineSettings, n)
             ]
             if given:
                 raise ValueError(f"{given[0]}: a setting of the continuous engine, not lockstep")
