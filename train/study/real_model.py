@@ -383,7 +383,8 @@ def best_run(results: dict[str, Any]) -> tuple[Cell, dict] | None:
 
 
 def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, Any]:
-    """Exports the best run (``train.export``, float32) to ``<runs>/export-best``, loads it with
+    """Exports the best run (``train.export``, float32) to ``<runs>/export-<game>-<preset>-seed<k>``
+    (named for the run: a later best run never reuses an earlier one's export), loads it with
     transformers and compares its logits with the run's own on one held-out prompt, then
     evaluates the export with ``train.evaluate`` on :data:`EXPORT_TASKS` x :data:`EXPORT_K`
     held-out episodes; ``agrees``: the export's rate lies within the run's last evaluation's
@@ -400,7 +401,8 @@ def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, An
     if found is None:
         raise SystemExit("--export-best: no finished run of the main game yet")
     cell, figures = found
-    run_dir, out = cell.run_dir(root), Path(root) / "export-best"
+    run_dir = cell.run_dir(root)
+    out = Path(root) / f"export-{cell.game}-{cell.preset}-seed{cell.seed}"
     if not (run_dir / "config.json").exists():
         raise SystemExit(f"--export-best: the best run ({cell}) is recorded in the report, but "
                          f"its run directory {run_dir} is not on this machine")  # fmt: skip
@@ -414,7 +416,7 @@ def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, An
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         theirs = hf(torch.as_tensor(ids, dtype=torch.long)).logits.numpy()
-    evaluated = out.parent / "export-best-eval"
+    evaluated = out.parent / f"{out.name}-eval"
     args = [
         "--model-path", str(out), "--env", cell.game, "--episodes", str(EXPORT_TASKS),
         "--k", str(EXPORT_K), *TURN, "--seed", str(EXPORT_SEED), "--out", str(evaluated),
