@@ -184,6 +184,11 @@ def recorded_start(recorded: dict[str, Any], game: str) -> dict[str, Any] | None
     return recorded.get(game, {}).get("start")
 
 
+def known_start(root: Path, recorded: dict[str, Any], game: str) -> dict[str, Any] | None:
+    """``game``'s start measured under ``root``, else as ``recorded``, else None."""
+    return start_point(root, game) or recorded_start(recorded, game)
+
+
 def recorded_figures(recorded: dict[str, Any], cell: Cell) -> dict[str, Any] | None:
     """``cell``'s figures as an earlier report (its ``results.json``) recorded them, or None."""
     by_preset = recorded.get(cell.game, {}).get("presets", {}).get(cell.preset, {})
@@ -218,7 +223,7 @@ def summarise(
     recorded = recorded or {}
     results: dict[str, Any] = {}
     for game in games():
-        start = start_point(root, game) or recorded_start(recorded, game)
+        start = known_start(root, recorded, game)
         if start is None:
             continue
         entry: dict[str, Any] = {"start": start, "presets": {}}
@@ -461,8 +466,9 @@ def main(argv: list[str] | None = None) -> int:
                              "`make smollm2` first")  # fmt: skip
         todo = cells()
         for n, cell in enumerate(todo, 1):
-            have_start = start_point(root, cell.game) or recorded_start(recorded, cell.game)
-            if have_start is None:  # a game's start before its first run
+            if (
+                known_start(root, recorded, cell.game) is None
+            ):  # a game's start before its first run
                 started = time.perf_counter()
                 evaluate_start(cell.game, root, args.model_path)
                 print(f"start of {cell.game}: {time.perf_counter() - started:.0f} s", flush=True)
