@@ -67,11 +67,17 @@ def _forward_chunks(h, w, y, vocab_axis, scale):
         m = jnp.max(z, axis=-1, keepdims=True)
         shifted = z - m
         e = jnp.exp(shifted)
-        s = jnp.sum(e, axis=-1)
+        # s and Σ e (z - m) in one pass over the block, a variadic reduction: with two sums,
+        # XLA's CPU backend took 268 ms for these statistics of a [1,022 x 49,152] block
+        # (SmolLM2's 2 x 512 tokens), with one 81 ms.
+        zero = jnp.zeros((), e.dtype)
+        s, e_shifted = jax.lax.reduce(
+            (e, e * shifted), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (e.ndim - 1,)
+        )
         log_s = jnp.log(s)
         lse = m[..., 0] + log_s
         logp = jnp.take_along_axis(z, yc[..., None], axis=-1)[..., 0] - lse
-        entropy = log_s - jnp.sum(e * shifted, axis=-1) / s
+        entropy = log_s - e_shifted / s
         return None, (logp, entropy, lse)
 
     _, out = jax.lax.scan(body, None, (h, y))

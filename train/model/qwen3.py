@@ -362,7 +362,12 @@ class MLP(nnx.Module):
         self.down_proj = _linear(cfg, f, d, ("mlp", "embed"), rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        # On rows flattened to [B·T, D]: for [B, T, D] inputs XLA's CPU backend wrote the gate's
+        # gradient out transposed for the weight gradients (two [F, B·T] copies a layer), for
+        # 2-D rows it does not: SmolLM2-135M's forward+backward at 2 x 512 tokens 8.5 -> 6.9 s.
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.down_proj(jax.nn.silu(self.gate_proj(rows)) * self.up_proj(rows))
+        return out.reshape(x.shape)
 
 
 MOE_MATMULS = ("ragged", "balanced")
