@@ -6,8 +6,11 @@
 Both sides run the same checkpoint (a random Qwen3 written by transformers, or ``--model-path``:
 any folder both load, e.g. the converted SmolLM2) in
 float32 on the CPU, each side in a process of its own; forward+backward is the mean next-token
-cross-entropy and its gradient with respect to every parameter. The table prints tokens/s
-(median of ``--reps``) and our speed-up; the logits of both sides are checked equal first.
+cross-entropy and its gradient with respect to every parameter. The last two rows are the
+trainer's own update steps on the same rows (every next token an action token), the actor's and
+a critic's, each with its AdamW step, against transformers' forward+backward (no optimizer step
+on that side). The table prints tokens/s (median of ``--reps``) and our speed-up; the logits of
+both sides are checked equal first.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ import transformers
 from flax import nnx
 
 from kernels.logprobs import token_logprobs
+from mpo_jax import algorithms
+from train.core.learner import ActionRows, Models, UpdateFns, make_optimizer
+from train.model.qwen3 import Qwen3ValueModel
 from train.model.weights import load_pretrained
 
 
@@ -68,7 +74,47 @@ def time_ours(model, ids, ref, reps):
     for loss in (loss_full, loss_chunked):
         step = jax.jit(jax.value_and_grad(loss))
         times.append(timed(lambda step=step: jax.block_until_ready(step(params, ids)), reps))
-    return times
+    return times + time_updates(model, ids, reps)
+
+
+def time_updates(model, ids, reps):
+    """The trainer's own update of the actor and of the critic on these rows, every next token
+    an action token: ``UpdateFns.actor_grad`` (the clipped policy loss on chunked log-probs) or
+    ``critic_grad`` (the clipped value loss), then ``UpdateFns.apply`` (AdamW, in place)."""
+    b, t = ids.shape
+    rng = np.random.default_rng(0)
+    actions = (b, t - 1)
+    rows = ActionRows(
+        tokens=ids,
+        positions=jnp.broadcast_to(jnp.arange(1, t, dtype=jnp.int32), actions),
+        loss_mask=jnp.ones(actions, bool),
+        turn_ids=jnp.zeros(actions, jnp.int32),
+        old_logp=jnp.full(actions, -10.0, jnp.float32),
+        advantages=jnp.asarray(rng.normal(size=actions), jnp.float32),
+        values=jnp.zeros(actions, jnp.float32),
+        returns=jnp.asarray(rng.normal(size=actions), jnp.float32),
+    )
+    count = float(b * (t - 1))
+    critic = Qwen3ValueModel.from_policy(model, rngs=nnx.Rngs(0))
+    actor_def, actor = nnx.split(model)
+    critic_def, critic = nnx.split(critic)
+    tx = make_optimizer(1e-6, warmup_steps=0, clip=1.0, weight_decay=0.0)
+    fns = UpdateFns(Models(actor_def, critic_def), algorithms.get("ppo"), tx, tx, temperature=1.0)
+    state = {
+        "actor": [actor, fns.init("actor", actor)],
+        "critic": [critic, fns.init("critic", critic)],
+    }
+
+    def update(which):
+        params, opt = state[which]
+        if which == "actor":
+            (loss, _), grads = fns.actor_grad(params, rows, count, count)
+        else:
+            (loss, _), grads = fns.critic_grad(params, rows, count)
+        params, opt, _, _ = fns.apply(which, params, opt, grads, loss)
+        state[which] = [jax.block_until_ready(params), opt]
+
+    return [timed(lambda which=which: update(which), reps) for which in ("actor", "critic")]
 
 
 def time_torch(torch_model, ids, reps):
@@ -156,7 +202,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side, "--checkpoint", tmp]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             results[side] = json.loads(out.strip().splitlines()[-1])
-    t_fwd, t_fb, t_fb_chunked = results["ours"]["times"]
+    t_fwd, t_fb, t_fb_chunked, t_actor, t_critic = results["ours"]["times"]
     t_tfwd, t_tfb = results["torch"]["times"]
 
     tokens = args.batch * args.seq
@@ -173,10 +219,15 @@ def main() -> None:
     print(
         f"| forward+backward | {tokens / t_fb:,.0f} | {tokens / t_tfb:,.0f} | {t_tfb / t_fb:.2f}x |"
     )
-    print(
-        f"| forward+backward, chunked log-probs | {tokens / t_fb_chunked:,.0f} | "
-        f"{tokens / t_tfb:,.0f} | {t_tfb / t_fb_chunked:.2f}x |"
-    )
+    rows = [
+        ("forward+backward, chunked log-probs", t_fb_chunked),
+        ("the trainer's actor update (policy loss, AdamW) vs forward+backward", t_actor),
+        ("the trainer's critic update (value loss, AdamW) vs forward+backward", t_critic),
+    ]
+    for name, seconds in rows:
+        print(
+            f"| {name} | {tokens / seconds:,.0f} | {tokens / t_tfb:,.0f} | {t_tfb / seconds:.2f}x |"
+        )
 
 
 if __name__ == "__main__":
