@@ -106,6 +106,15 @@ def test_the_study_runs_resumes_and_reports_at_tiny_size(tmp_path):
     assert record["skipped"] and marker.read_text() == before
     with pytest.raises(SystemExit, match="unknown"):
         study.main([*args, "--variants", "nope"])
+    # a report from fewer runs than the committed one (a fresh clone: no run directories) leaves
+    # the committed report as it was; the same runs rewrite it
+    report = (tmp_path / "out" / "results.md").read_text()
+    (tmp_path / "empty").mkdir()
+    fewer = [*args[:-4], "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match="made from 2: it was left as it is"):
+        study.main([*fewer, "--report-only"])
+    assert (tmp_path / "out" / "results.md").read_text() == report
+    assert study.main([*args, "--report-only"]) == 0
 
 
 def test_child_runs_share_a_compilation_cache_unless_one_is_named(tmp_path, monkeypatch):
@@ -190,6 +199,10 @@ def test_round2_warm_starts_runs_each_regime_and_reports_at_tiny_size(tmp_path):
     assert (tmp_path / "out" / "curves_synthetic-calls_reuse.png").exists()
     with pytest.raises(SystemExit, match="unknown"):
         r2.main([*args, "--regimes", "nope"])
+    (tmp_path / "empty").mkdir()
+    fewer = [*args[:-4], "--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit, match="holds 0 finished runs"):
+        r2.main([*fewer, "--report-only"])
 
 
 def test_round2_variants_name_presets_and_fields_that_exist():

@@ -43,6 +43,7 @@ __all__ = [
     "child_env",
     "compile_cache",
     "summarise",
+    "refuse_smaller_report",
     "markdown",
     "main",
 ]
@@ -310,6 +311,30 @@ def summarise(root: Path, cells: list[Cell]) -> dict[str, Any]:
     return out
 
 
+def runs_in(results: dict[str, Any]) -> int:
+    """How many finished runs a report's ``results`` were made from (every group's variants'
+    seeds)."""
+    return sum(entry["seeds"] for group in results.values() for entry in group.values())
+
+
+def refuse_smaller_report(out_dir: Path, results: dict[str, Any], root: Path) -> None:
+    """Raises ``SystemExit`` rather than let ``results`` replace the report in ``out_dir`` when
+    they were made from fewer runs than it was. Run directories hold checkpoints and stay on the
+    machine that ran them, so on a fresh clone the committed report is the only copy of hours of
+    runs: ``--report-only`` there would otherwise rewrite it from nothing."""
+    committed = Path(out_dir) / "results.json"
+    if not committed.exists():
+        return
+    before = runs_in(json.loads(committed.read_text()).get("results", {}))
+    now = runs_in(results)
+    if now < before:
+        raise SystemExit(
+            f"--runs: {root} holds {now} finished runs of this study, and the report in {out_dir} "
+            f"was made from {before}: it was left as it is (run the missing cells, or name another "
+            "--out for a report of these runs alone)"
+        )
+
+
 def _ci(fig: dict | None, pct: bool = True) -> str:
     if not fig or not np.isfinite(fig.get("mean", np.nan)):
         return "–"
@@ -468,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = "skipped (done)" if rec["skipped"] else f"{rec['wall_s']:.0f} s"
                 print(f"[{n}/{len(cells)}] {futures[fut]}: {state}", flush=True)
     results = summarise(root, cells)
+    refuse_smaller_report(out_dir, results, root)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
         "size": size_name,

@@ -51,6 +51,7 @@ from train.study.round1 import (
     finished_record,
     launch,
     plot,
+    refuse_smaller_report,
     run_summary,
 )
 from train.study.stats import bootstrap_ci
@@ -504,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
                 state = "skipped (done)" if rec["skipped"] else f"{rec['wall_s']:.0f} s"
                 print(f"[{n}/{len(cells)}] {futures[fut]}: {state}", flush=True)
     results = summarise(root, cells)
+    refuse_smaller_report(out_dir, results, root)
     diffs, auc_diffs = ablations(results), ablations(results, "heldout_auc")
     given = sys.argv[1:] if argv is None else argv
     command = "python -m train.study.round2" + (" " + " ".join(given) if given else "")
