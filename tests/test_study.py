@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,3 +331,65 @@ def test_real_model_report_keeps_recorded_runs_and_the_study_skips_them(tmp_path
     assert game not in started and started  # the other game's start is still to measure
     kept = json.loads((out / "results.json").read_text())[game]["presets"]["grpo"]["seeds"]
     assert kept["0"]["heldout_final"] == 0.5 and kept["1"]["heldout_final"] == 0.25
+
+
+def test_real_model_a_run_after_another_game_starts_from_its_source(tmp_path, monkeypatch):
+    """A cell with ``after`` runs its source first (when its directory is not here), measures
+    the source's last checkpoint on its own game as its start, starts from it (--init-from), and
+    reports its lift from that start, not from the converted model's."""
+    from train.study import real_model
+
+    cell = next(c for c in real_model.cells() if c.after is not None)
+    source = cell.source
+    assert source == real_model.Cell(cell.after, cell.preset, cell.seed)
+    assert cell.run_dir(tmp_path) != real_model.Cell(cell.game, cell.preset, cell.seed).run_dir(
+        tmp_path
+    )
+    launched, evaluated = [], []
+
+    def launch(module, args, run_dir, record, cache=None):
+        launched.append((run_dir, args))
+        return {"skipped": False, "wall_s": 1.0}
+
+    def evaluate(args, root, what):
+        evaluated.append(args)
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True)
+        metrics = {"eval_heldout_success_rate": 0.2, "eval_heldout_env_format_error_rate": 0.1}
+        (out / "metrics.json").write_text(json.dumps(metrics))
+
+    monkeypatch.setattr(real_model, "launch", launch)
+    monkeypatch.setattr(real_model, "_evaluate", evaluate)
+    real_model.run_cell(cell, tmp_path, "model")
+    assert [d for d, _ in launched] == [source.run_dir(tmp_path), cell.run_dir(tmp_path)]
+    assert launched[0][1][:2] == ["--model-path", "model"]
+    assert launched[1][1][:2] == ["--init-from", str(source.run_dir(tmp_path))]
+    (args,) = evaluated
+    assert args[args.index("--run-dir") + 1] == str(source.run_dir(tmp_path))
+    assert args[args.index("--env") + 1] == cell.game
+    own = real_model.transfer_start(cell, tmp_path)
+    assert own["success"] == 0.2 and own["episodes"] == real_model.START_EPISODES * 2
+
+    # the report: the converted model's start for the game, the row's own start for its lift
+    for seed in real_model.START_SEEDS:
+        out = real_model.start_dir(tmp_path, cell.game) / f"seed{seed}"
+        out.mkdir(parents=True)
+        metrics = {"eval_heldout_success_rate": 0.0, "eval_heldout_env_format_error_rate": 0.9}
+        (out / "metrics.json").write_text(json.dumps(metrics))
+    run = cell.run_dir(tmp_path)
+    run.mkdir(parents=True)
+    rows = [{"step": 5, real_model.HELDOUT: 0.4}, {"step": 10, real_model.HELDOUT: 0.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "config.json").write_text(json.dumps({"eval_episodes": 16, "eval_k": 2}))
+    (run / "study.json").write_text(json.dumps({"wall_s": 60.0}))
+    entry = real_model.summarise(tmp_path)[cell.game]
+    assert entry["start"]["success"] == 0.0
+    row = entry["presets"][cell.name]["seeds"][cell.seed]
+    assert row["heldout_curve"][1] == [0.2, 0.4, 0.5] and row["start"]["success"] == 0.2
+    text = real_model.markdown({cell.game: entry})
+    assert f"| {cell.name} | 1 | 50 | 30 |" in text  # lift 50 - 20, not 50 - 0
+    assert "counted from there" in text
+    # a later report on a fresh clone keeps the row and its start from results.json
+    recorded = json.loads(json.dumps({cell.game: entry}))
+    again = real_model.summarise(tmp_path / "fresh", recorded=recorded)[cell.game]
+    assert again["presets"][cell.name]["seeds"][cell.seed]["start"]["success"] == 0.2

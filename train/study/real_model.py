@@ -10,8 +10,19 @@ Steps, in this order (each skipped when done, resumed when killed):
    :data:`START_EPISODES` held-out episodes (``<runs>/start-<game>``);
 2. the main comparison: ``guess-the-number`` with ``grpo`` and ``mpo`` at seeds 0, 1, 2
    (seed-major, so a stopped study has both presets at the same seeds);
-3. the extras at one seed: the second game (``frozen-lake``: TextArena's 4x4 board with 3 holes,
-   held out by layout) and the third preset (``ppo``).
+3. the extras at one seed: a second game (``frozen-lake``: TextArena's 4x4 board with 3 holes,
+   held out by layout), the third preset (``ppo``), and a third game (``secretary``: TextArena's
+   Secretary-v0, five values shown one at a time, ``[accept]`` or ``[continue]``, a win only for
+   accepting the largest; held out by the drawn values), first from the converted model, then
+   from the last checkpoint of the guess-the-number run of the same preset and seed (a cell with
+   ``after``: its start is that checkpoint, measured on the game's held-out split first).
+
+Secretary was added after frozen-lake's run won no training episode (so every advantage was 0):
+a valid move there is one of two words, a policy that ignores the values wins a fifth of its
+games, and the best one (accept a value that is the largest so far and above a threshold that
+falls as fewer values remain: 0.82, 0.78, 0.69, 0.5) wins 64%. From the converted model it won
+no training episode either; the run after guess-the-number asks whether a model that has learned
+to answer in brackets on one game learns another.
 
 Every run is ``python -m train.run`` with :data:`RUN_FLAGS` (one budget, one learning rate for
 every preset: 3e-5, chosen on a grpo probe at seed 0; the critic presets keep the pretrained
@@ -54,18 +65,43 @@ RUN_FLAGS = [
     "--eval-every", "5", "--eval-episodes", "16", "--eval-k", "2", "--checkpoint-every", "2",
 ]  # fmt: skip
 MAIN_GAME, MAIN_PRESETS, SEEDS = "guess-the-number", ("grpo", "mpo"), (0, 1, 2)
-EXTRAS = (("frozen-lake", "grpo", 0), ("guess-the-number", "ppo", 0))
+EXTRAS = (
+    ("frozen-lake", "grpo", 0),
+    ("guess-the-number", "ppo", 0),
+    ("secretary", "grpo", 0),
+    ("secretary", "grpo", 0, MAIN_GAME),
+)
 PHASES = ("rollout", "scoring", "update")
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
+    """One run: ``preset`` at ``seed`` on ``game``, from the converted model or, with ``after``,
+    from the last checkpoint of the run of the same preset and seed on the game ``after``."""
+
     game: str
     preset: str
     seed: int
+    after: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The report's row: the preset, or ``<preset> after <game>``."""
+        return self.preset if self.after is None else f"{self.preset} after {self.after}"
+
+    @property
+    def source(self) -> Cell | None:
+        """The run this one starts from (None: the converted model)."""
+        return None if self.after is None else Cell(self.after, self.preset, self.seed)
 
     def run_dir(self, root: Path) -> Path:
-        return Path(root) / self.game / self.preset / f"seed{self.seed}"
+        leaf = self.preset if self.after is None else f"{self.preset}-after-{self.after}"
+        return Path(root) / self.game / leaf / f"seed{self.seed}"
+
+    def start_dir(self, root: Path) -> Path:
+        """Where the start of a cell with ``after`` is measured (its source's last checkpoint on
+        this game's held-out split)."""
+        return start_dir(root, self.game) / f"{self.preset}-after-{self.after}-seed{self.seed}"
 
 
 def cells() -> list[Cell]:
@@ -129,13 +165,53 @@ def start_point(root: Path, game: str) -> dict[str, Any] | None:
 
 
 def run_cell(cell: Cell, root: Path, model: str) -> dict:
-    args = [
-        "--model-path", model, "--env", cell.game, "--preset", cell.preset,
-        "--seed", str(cell.seed), *RUN_FLAGS,
-    ]  # fmt: skip
+    """``train.run`` of ``cell`` (skipped when done, resumed when killed). A cell with ``after``
+    first needs its source's run directory: the source is run here when it is not (a source
+    recorded in the report but run elsewhere is run again, and its new run directory then wins
+    over its record), and its start is measured; then the run starts from it (``--init-from``)."""
+    source = cell.source
+    if source is None:
+        origin = ["--model-path", model]
+    else:
+        run_cell(source, root, model)
+        evaluate_transfer_start(cell, root)
+        origin = ["--init-from", str(source.run_dir(root))]
+    args = [*origin, "--env", cell.game, "--preset", cell.preset, "--seed", str(cell.seed),
+            *RUN_FLAGS]  # fmt: skip
     return launch(
         "train.run", args, cell.run_dir(root), dataclasses.asdict(cell), cache=compile_cache(root)
     )
+
+
+def evaluate_transfer_start(cell: Cell, root: Path) -> None:
+    """The start of a cell with ``after``: ``train.evaluate`` of its source's last checkpoint on
+    ``cell.game``'s held-out split, :data:`START_EPISODES` x :data:`START_K` episodes at seed 0
+    (one evaluation, not the converted model's four: the source costs a run already)."""
+    out = cell.start_dir(root)
+    if (out / "metrics.json").exists():
+        return
+    args = [
+        "--run-dir", str(cell.source.run_dir(root)), "--env", cell.game,
+        "--episodes", str(START_EPISODES), "--k", str(START_K), *TURN, "--seed", "0",
+        "--out", str(out),
+    ]  # fmt: skip
+    _evaluate(args, root, f"start of {cell.name} on {cell.game}")
+
+
+def transfer_start(cell: Cell, root: Path) -> dict[str, Any] | None:
+    """The measured start of a cell with ``after`` (as :func:`start_point`), or None."""
+    path = cell.start_dir(root) / "metrics.json"
+    if not path.exists():
+        return None
+    measured = json.loads(path.read_text())
+    episodes = START_EPISODES * START_K
+    success = measured["eval_heldout_success_rate"]
+    return {
+        "success": success,
+        "format_errors": measured.get("eval_heldout_env_format_error_rate", float("nan")),
+        "episodes": episodes,
+        "wilson": wilson(round(success * episodes), episodes),
+    }
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float, float]:
@@ -191,7 +267,7 @@ def known_start(root: Path, recorded: dict[str, Any], game: str) -> dict[str, An
 
 def recorded_figures(recorded: dict[str, Any], cell: Cell) -> dict[str, Any] | None:
     """``cell``'s figures as an earlier report (its ``results.json``) recorded them, or None."""
-    by_preset = recorded.get(cell.game, {}).get("presets", {}).get(cell.preset, {})
+    by_preset = recorded.get(cell.game, {}).get("presets", {}).get(cell.name, {})
     seeds = by_preset.get("seeds", {})
     return seeds.get(str(cell.seed), seeds.get(cell.seed))
 
@@ -212,8 +288,10 @@ def finished_figures(cell: Cell, root: Path, start: float) -> dict[str, Any] | N
 def summarise(
     root: Path, model: str = MODEL, recorded: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Per game: the start and, per preset, every finished seed's figures and the mean and 95%
-    bootstrap interval over seeds of the end and the AUC.
+    """Per game: the start and, per preset (a row: :attr:`Cell.name`), every finished seed's
+    figures and the mean and 95% bootstrap interval over seeds of the end and the AUC. A row
+    that starts from another game's run has its own start (``start`` in each seed's figures):
+    the held-out curve and the lift begin there.
 
     A run's figures come from its finished run directory under ``root`` or, where that is not
     here (run directories hold checkpoints and stay on the machine that ran them), from
@@ -228,12 +306,17 @@ def summarise(
             continue
         entry: dict[str, Any] = {"start": start, "presets": {}}
         for cell in (c for c in cells() if c.game == game):
-            figures = finished_figures(cell, root, start["success"])
+            own_start = start if cell.after is None else transfer_start(cell, root)
+            figures = (
+                None if own_start is None else finished_figures(cell, root, own_start["success"])
+            )
+            if figures is not None and cell.after is not None:
+                figures["start"] = own_start  # the row's own start: its source's checkpoint
             if figures is None:
                 figures = recorded_figures(recorded, cell)
             if figures is None:
                 continue
-            entry["presets"].setdefault(cell.preset, {"seeds": {}})["seeds"][cell.seed] = figures
+            entry["presets"].setdefault(cell.name, {"seeds": {}})["seeds"][cell.seed] = figures
         for by_preset in entry["presets"].values():
             runs = list(by_preset["seeds"].values())
             for name in ("heldout_final", "heldout_auc", "wall_s"):
@@ -291,11 +374,14 @@ def markdown(results: dict[str, Any], exported: dict[str, Any] | None = None) ->
         ]
         for preset, p in entry["presets"].items():
             end, auc = p["heldout_final"], p["heldout_auc"]
+            row_start = float(
+                np.mean([f.get("start", start)["success"] for f in p["seeds"].values()])
+            )
             each = ", ".join(
                 f"s{seed} {_pct(f['heldout_final'], *f['heldout_final_wilson'])}"
                 for seed, f in sorted(p["seeds"].items())
             )
-            lift = _pct(end["mean"] - start["success"])
+            lift = _pct(end["mean"] - row_start)
             over_seeds = end["n"] > 1  # one seed: its own (Wilson) interval is in the row
             end_text = (
                 _pct(end["mean"], end["low"], end["high"]) if over_seeds else _pct(end["mean"])
@@ -307,6 +393,18 @@ def markdown(results: dict[str, Any], exported: dict[str, Any] | None = None) ->
                 f"| {preset} | {end['n']} | {end_text} | {lift} | {auc_text} | {each} "
                 f"| {p['wall_s']['mean'] / 60:.0f} |"
             )
+        for preset, p in entry["presets"].items():
+            for seed, f in sorted(p["seeds"].items()):
+                if "start" in f:
+                    own = f["start"]
+                    lines += [
+                        "",
+                        f"`{preset}` seed {seed} starts from that run's last checkpoint, whose "
+                        f"start here ({own['episodes']} held-out episodes) was "
+                        f"{_pct(own['success'], *own['wilson'][1:])}, format errors "
+                        f"{100 * own['format_errors']:.0f}% of turns: its lift and AUC are "
+                        "counted from there.",
+                    ]
         lines += ["", "Per run: training format errors (% of turns) by step, and phase costs.", ""]
         lines += [
             "| run | format errors by step | rollout s (tok/s) | scoring s (tok/s) "
