@@ -263,6 +263,9 @@ def test_real_model_report_pools_the_start_and_summarises_seeds(tmp_path):
     assert seed0["rollout_s"] == 9 and seed0["format_error_curve"][1][0] == 1.0
     text = real_model.markdown(results)
     assert "| grpo | 3 | 50 [" in text and "200 held-out episodes" in text
+    assert "| +46 |" in text  # the lift: signed points over the start (4%)
+    assert real_model._pct(0.005, 0.001, 0.028) == "0.5 [0, 3]"  # 1 of 200 is not 0
+    assert real_model._pct(0.0) == "0" and real_model._points(-0.004) == "+0"
     # the best run is the highest end (seed 1 here); the export's check reads in the report
     cell, figures = real_model.best_run(results)
     assert cell == real_model.Cell(game, "grpo", 1) and figures["heldout_final"] == 0.75
@@ -387,7 +390,7 @@ def test_real_model_a_run_after_another_game_starts_from_its_source(tmp_path, mo
     row = entry["presets"][cell.name]["seeds"][cell.seed]
     assert row["heldout_curve"][1] == [0.2, 0.4, 0.5] and row["start"]["success"] == 0.2
     text = real_model.markdown({cell.game: entry})
-    assert f"| {cell.name} | 1 | 50 | 30 |" in text  # lift 50 - 20, not 50 - 0
+    assert f"| {cell.name} | 1 | 50 | +30 |" in text  # lift 50 - 20, not 50 - 0
     assert "counted from there" in text
     # a later report on a fresh clone keeps the row and its start from results.json
     recorded = json.loads(json.dumps({cell.game: entry}))

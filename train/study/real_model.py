@@ -336,8 +336,15 @@ def summarise(
 
 
 def _pct(mean: float, low: float | None = None, high: float | None = None) -> str:
-    text = f"{100 * mean:.0f}"
+    """A rate in percent: whole points, one decimal under 1% (1 of 200 is 0.5, not 0)."""
+    points = 100 * mean
+    text = f"{points:.1f}" if 0 < abs(points) < 1 else f"{points:.0f}"
     return text if low is None else f"{text} [{100 * low:.0f}, {100 * high:.0f}]"
+
+
+def _points(difference: float) -> str:
+    """A difference of rates in signed points (``+48``, ``-3``, ``+0``)."""
+    return f"{round(100 * difference):+d}"
 
 
 def _phase(figures: dict, phase: str) -> str:
@@ -381,7 +388,7 @@ def markdown(results: dict[str, Any], exported: dict[str, Any] | None = None) ->
                 f"s{seed} {_pct(f['heldout_final'], *f['heldout_final_wilson'])}"
                 for seed, f in sorted(p["seeds"].items())
             )
-            lift = _pct(end["mean"] - row_start)
+            lift = _points(end["mean"] - row_start)
             over_seeds = end["n"] > 1  # one seed: its own (Wilson) interval is in the row
             end_text = (
                 _pct(end["mean"], end["low"], end["high"]) if over_seeds else _pct(end["mean"])
