@@ -1,6 +1,7 @@
 """Diagnostics the trainer logs every step: how much of the critic's variance lives between turns,
-how well the critic explains the returns, and, where the environment grades each turn's
-decision, how well an estimator's credit on the decisive tokens follows that ground truth.
+how well the critic explains the returns, how many groups carry no group-relative signal, and,
+where the environment grades each turn's decision, how well an estimator's credit on the decisive
+tokens follows that ground truth.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ __all__ = [
     "turn_variance_fraction",
     "median_turn_variance_fraction",
     "explained_variance",
+    "flat_group_fraction",
     "decision_credit_correlation",
 ]
 
@@ -80,6 +82,25 @@ def explained_variance(values: ArrayLike, returns: ArrayLike, mask: ArrayLike) -
     var_r = var(r)
     ok = var_r > jnp.finfo(dtype).tiny * 1e3
     return jnp.where(ok, 1 - var(r - v) / jnp.where(ok, var_r, 1), 0.0)
+
+
+def flat_group_fraction(rewards: ArrayLike, group_ids: ArrayLike) -> jax.Array:
+    """The share of groups whose rollouts all earned the same return (scalar in [0, 1]).
+
+    With ``R_b = Σ_t rewards[b, t]``, group ``g`` is flat when ``R_b = R_c`` for every ``b, c``
+    in it; a group of one is flat. Group-relative credit (GRPO, RLOO, GSPO, GiGPO's episode
+    level) is exactly 0 on a flat group's tokens, so at 1 such a preset's policy gradient is 0:
+    with a reward only on success, no rollout has succeeded yet (or every one has). The share is
+    over groups, not rows: ``Σ_b flat_b / n_b / Σ_b 1 / n_b`` with ``n_b`` the size of row
+    ``b``'s group.
+    """
+    r = jnp.sum(jnp.asarray(rewards), axis=-1)
+    g = jnp.asarray(group_ids)
+    same = g[:, None] == g[None, :]
+    size = jnp.sum(same, axis=1)
+    flat_row = jnp.all(jnp.where(same, r[:, None] == r[None, :], True), axis=1)
+    weight = 1.0 / size
+    return jnp.sum(jnp.where(flat_row, weight, 0.0)) / jnp.maximum(jnp.sum(weight), 1e-12)
 
 
 def decision_credit_correlation(

@@ -59,6 +59,38 @@ def test_explained_variance():
     assert float(D.explained_variance(ret, np.ones(4), m)) == 0.0
 
 
+def _flat_reference(rewards, group_ids) -> float:
+    returns = np.asarray(rewards).sum(axis=-1)
+    groups = {}
+    for g, r in zip(np.asarray(group_ids).tolist(), returns.tolist(), strict=True):
+        groups.setdefault(g, []).append(r)
+    return float(np.mean([len(set(rs)) == 1 for rs in groups.values()]))
+
+
+def test_flat_group_fraction_by_hand():
+    rewards = np.zeros((6, 4))
+    rewards[0, 3] = 1.0  # group 7: one win of two -> signal
+    rewards[2, 1] = rewards[3, 2] = 1.0  # group 5: every rollout won (same return) -> flat
+    groups = np.array([7, 7, 5, 5, 9, 2])  # rows 4 and 5: groups of one -> flat
+    assert float(D.flat_group_fraction(rewards, groups)) == pytest.approx(3 / 4)
+    assert float(D.flat_group_fraction(np.zeros((4, 3)), np.array([0, 0, 1, 1]))) == 1.0
+    rewards[1, 0] = 1.0  # group 7: both returns 1 now -> flat
+    assert float(D.flat_group_fraction(rewards, groups)) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("jit", [False, True])
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(seed=st.integers(0, 2**31 - 1))
+def test_flat_group_fraction_matches_a_reference_on_random_batches(seed, jit, dtype):
+    rng = np.random.default_rng(seed)
+    b = random_batch(rng, batch=int(rng.integers(1, 12)), dense_rewards=False, dtype=dtype)
+    fn = jax.jit(D.flat_group_fraction) if jit else D.flat_group_fraction
+    got = float(fn(b.rewards, b.group_ids))
+    assert 0.0 <= got <= 1.0
+    np.testing.assert_allclose(got, _flat_reference(b.rewards, b.group_ids), rtol=1e-6)
+
+
 def test_decision_credit_correlation_reads_each_turns_last_token():
     # row 0: turns of 3 and 2 tokens; row 1: one turn of 1 token; -1 = prompt / observation
     turn_ids = np.array([[-1, 0, 0, 0, -1, 1, 1, -1], [-1, -1, 0, -1, -1, -1, -1, -1]])

@@ -68,6 +68,7 @@ def test_every_preset_completes_two_steps(preset, tmp_path):
         "update_s",
     ):
         assert np.isfinite(rows[-1][key]), key
+    assert 0.0 <= rows[-1]["flat_group_frac"] <= 1.0
     if algorithms.get(preset).needs_critic:
         for key in ("value_loss", "explained_variance", "turn_variance_fraction"):
             assert np.isfinite(rows[-1][key]), key

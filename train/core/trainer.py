@@ -424,12 +424,19 @@ class Trainer:
         return out
 
     def credit_metrics(self, rollouts, batch: TurnBatch, credit) -> dict[str, float]:
-        """Advantage statistics, the critic's diagnostics and, where the environment grades each
-        turn's decision, the correlation of the run's credit (``credit_corr``) and of every probe
-        estimator's on the same batch (``credit_corr_<preset>``) with those grades."""
+        """Advantage statistics, the share of groups whose rollouts all earned the same return
+        (``flat_group_frac``: group-relative credit is 0 there), the critic's diagnostics and,
+        where the environment grades each turn's decision, the correlation of the run's credit
+        (``credit_corr``) and of every probe estimator's on the same batch
+        (``credit_corr_<preset>``) with those grades."""
         mask = batch.loss_mask
         adv = np.asarray(credit.advantages)
-        out = {"advantage_mean": float(adv[mask].mean()) if mask.any() else 0.0}
+        out = {
+            "advantage_mean": float(adv[mask].mean()) if mask.any() else 0.0,
+            "flat_group_frac": float(
+                diagnostics.flat_group_fraction(np.asarray(batch.rewards), batch.group_ids)
+            ),
+        }
         if batch.values is not None and credit.returns is not None:
             out["explained_variance"] = float(
                 diagnostics.explained_variance(batch.values, credit.returns, mask)
