@@ -123,13 +123,22 @@ def evaluate_start(game: str, root: Path, model: str) -> None:
     seed of :data:`START_SEEDS` into ``start-<game>/seed<k>``, each skipped when done."""
     for seed in START_SEEDS:
         out = start_dir(root, game) / f"seed{seed}"
-        if (out / "metrics.json").exists():
-            continue
-        args = [
-            "--model-path", model, "--env", game, "--episodes", str(START_EPISODES),
-            "--k", str(START_K), *TURN, "--seed", str(seed), "--out", str(out),
-        ]  # fmt: skip
-        _evaluate(args, root, f"start of {game}")
+        _evaluate_held_out(["--model-path", model], game, seed, out, root, f"start of {game}")
+
+
+def _evaluate_held_out(
+    origin: list[str], game: str, seed: int, out: Path, root: Path, what: str
+) -> None:
+    """``train.evaluate`` of ``origin`` (``--model-path DIR`` or ``--run-dir DIR``) on
+    :data:`START_EPISODES` x :data:`START_K` held-out episodes of ``game`` into ``out``, skipped
+    when ``out`` has its metrics already."""
+    if (out / "metrics.json").exists():
+        return
+    args = [
+        *origin, "--env", game, "--episodes", str(START_EPISODES), "--k", str(START_K), *TURN,
+        "--seed", str(seed), "--out", str(out),
+    ]  # fmt: skip
+    _evaluate(args, root, what)
 
 
 def _evaluate(args: list[str], root: Path, what: str) -> None:
@@ -149,7 +158,12 @@ def _evaluate(args: list[str], root: Path, what: str) -> None:
 def start_point(root: Path, game: str) -> dict[str, Any] | None:
     """The pooled starting point of ``game`` (success, format errors, episodes, Wilson
     interval), or None until every seed's evaluation is there."""
-    files = [start_dir(root, game) / f"seed{s}" / "metrics.json" for s in START_SEEDS]
+    return _pooled([start_dir(root, game) / f"seed{s}" / "metrics.json" for s in START_SEEDS])
+
+
+def _pooled(files: list[Path]) -> dict[str, Any] | None:
+    """Held-out evaluations (``metrics.json`` files of :data:`START_EPISODES` x
+    :data:`START_K` episodes each) pooled into one start, or None until every file is there."""
     if not all(f.exists() for f in files):
         return None
     measured = [json.loads(f.read_text()) for f in files]
@@ -187,31 +201,14 @@ def evaluate_transfer_start(cell: Cell, root: Path) -> None:
     """The start of a cell with ``after``: ``train.evaluate`` of its source's last checkpoint on
     ``cell.game``'s held-out split, :data:`START_EPISODES` x :data:`START_K` episodes at seed 0
     (one evaluation, not the converted model's four: the source costs a run already)."""
-    out = cell.start_dir(root)
-    if (out / "metrics.json").exists():
-        return
-    args = [
-        "--run-dir", str(cell.source.run_dir(root)), "--env", cell.game,
-        "--episodes", str(START_EPISODES), "--k", str(START_K), *TURN, "--seed", "0",
-        "--out", str(out),
-    ]  # fmt: skip
-    _evaluate(args, root, f"start of {cell.name} on {cell.game}")
+    origin = ["--run-dir", str(cell.source.run_dir(root))]
+    _evaluate_held_out(origin, cell.game, 0, cell.start_dir(root), root,
+                       f"start of {cell.name} on {cell.game}")  # fmt: skip
 
 
 def transfer_start(cell: Cell, root: Path) -> dict[str, Any] | None:
     """The measured start of a cell with ``after`` (as :func:`start_point`), or None."""
-    path = cell.start_dir(root) / "metrics.json"
-    if not path.exists():
-        return None
-    measured = json.loads(path.read_text())
-    episodes = START_EPISODES * START_K
-    success = measured["eval_heldout_success_rate"]
-    return {
-        "success": success,
-        "format_errors": measured.get("eval_heldout_env_format_error_rate", float("nan")),
-        "episodes": episodes,
-        "wilson": wilson(round(success * episodes), episodes),
-    }
+    return _pooled([cell.start_dir(root) / "metrics.json"])
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float, float]:
