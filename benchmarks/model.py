@@ -2,6 +2,8 @@
 
     python benchmarks/model.py [--layers 4 --width 256 --vocab 151936 --batch 8 --seq 512]
     python benchmarks/model.py --model-path models/smollm2-135m-instruct --batch 2 --seq 512
+    python benchmarks/model.py --model-path models/smollm2-135m-instruct --batch 2 --seq 512 \
+        --lora-rank 16                       # and LoRA: our updates against torch + peft
 
 Both sides run the same checkpoint (a random Qwen3 written by transformers, or ``--model-path``:
 any folder both load, e.g. the converted SmolLM2) in
@@ -11,11 +13,17 @@ trainer's own update steps on the same rows (every next token an action token), 
 a critic's, each with its AdamW step, against transformers' forward+backward (no optimizer step
 on that side). The table prints tokens/s (median of ``--reps``) and our speed-up; the logits of
 both sides are checked equal first.
+
+With ``--lora-rank R`` (alpha 2R, every projection adapted on both sides): torch + peft's LoRA
+forward+backward (gradients for the adapters alone) against our LoRA actor update, and our LoRA
+actor and critic updates together, per model (one frozen base; the critic's value head trained
+in full).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -34,7 +42,9 @@ from flax import nnx
 from kernels.logprobs import token_logprobs
 from mpo_jax import algorithms
 from train.core.learner import ActionRows, Models, UpdateFns, make_optimizer
-from train.model.qwen3 import Qwen3ValueModel
+from train.model import lora
+from train.model.lora import LORA_TARGETS
+from train.model.qwen3 import Qwen3ForCausalLM, Qwen3ValueModel
 from train.model.weights import load_pretrained
 
 
@@ -48,7 +58,7 @@ def timed(fn, reps):
     return statistics.median(times)
 
 
-def time_ours(model, ids, ref, reps):
+def time_ours(model, ids, ref, reps, lora_rank=0):
     """(forward, forward+backward with full logits, forward+backward with chunked log-probs)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -74,13 +84,18 @@ def time_ours(model, ids, ref, reps):
     for loss in (loss_full, loss_chunked):
         step = jax.jit(jax.value_and_grad(loss))
         times.append(timed(lambda step=step: jax.block_until_ready(step(params, ids)), reps))
-    return times + time_updates(model, ids, reps)
+    times += time_updates(model, ids, reps)
+    if lora_rank:
+        times += time_updates(model, ids, reps, lora_rank=lora_rank)
+    return times
 
 
-def time_updates(model, ids, reps):
+def time_updates(model, ids, reps, *, lora_rank: int = 0):
     """The trainer's own update of the actor and of the critic on these rows, every next token
     an action token: ``UpdateFns.actor_grad`` (the clipped policy loss on chunked log-probs) or
-    ``critic_grad`` (the clipped value loss), then ``UpdateFns.apply`` (AdamW, in place)."""
+    ``critic_grad`` (the clipped value loss), then ``UpdateFns.apply`` (AdamW, in place). With
+    ``lora_rank``: adapters (alpha 2R, every projection) on one frozen base, as train.run
+    holds them (:mod:`train.core.roles`)."""
     b, t = ids.shape
     rng = np.random.default_rng(0)
     actions = (b, t - 1)
@@ -95,9 +110,19 @@ def time_updates(model, ids, reps):
         returns=jnp.asarray(rng.normal(size=actions), jnp.float32),
     )
     count = float(b * (t - 1))
-    critic = Qwen3ValueModel.from_policy(model, rngs=nnx.Rngs(0))
-    actor_def, actor = nnx.split(model)
-    critic_def, critic = nnx.split(critic)
+    frozen = {"actor": None, "critic": None}
+    if lora_rank:
+        mc = dataclasses.replace(model.cfg, lora_rank=lora_rank, lora_alpha=2.0 * lora_rank)
+        base = nnx.state(model)
+        actor_def = nnx.graphdef(nnx.eval_shape(lambda: Qwen3ForCausalLM(mc, rngs=nnx.Rngs(0))))
+        critic_def = nnx.graphdef(nnx.eval_shape(lambda: Qwen3ValueModel(mc, rngs=nnx.Rngs(0))))
+        actor = lora.init_trainable(Qwen3ForCausalLM, mc, 0)
+        critic = lora.init_trainable(Qwen3ValueModel, mc, 1)
+        frozen = {"actor": base, "critic": nnx.State({"model": base["model"]})}
+    else:
+        critic = Qwen3ValueModel.from_policy(model, rngs=nnx.Rngs(0))
+        actor_def, actor = nnx.split(model)
+        critic_def, critic = nnx.split(critic)
     tx = make_optimizer(1e-6, warmup_steps=0, clip=1.0, weight_decay=0.0)
     fns = UpdateFns(Models(actor_def, critic_def), algorithms.get("ppo"), tx, tx, temperature=1.0)
     state = {
@@ -107,26 +132,36 @@ def time_updates(model, ids, reps):
 
     def update(which):
         params, opt = state[which]
+        read = params if frozen[which] is None else lora.Adapted(frozen[which], params)
         if which == "actor":
-            (loss, _), grads = fns.actor_grad(params, rows, count, count)
+            (loss, _), grads = fns.actor_grad(read, rows, count, count)
         else:
-            (loss, _), grads = fns.critic_grad(params, rows, count)
+            (loss, _), grads = fns.critic_grad(read, rows, count)
         params, opt, _, _ = fns.apply(which, params, opt, grads, loss)
         state[which] = [jax.block_until_ready(params), opt]
 
     return [timed(lambda which=which: update(which), reps) for which in ("actor", "critic")]
 
 
-def time_torch(torch_model, ids, reps):
+def time_torch(torch_model, ids, reps, lora_rank=0):
     def forward():
         with torch.no_grad():
             return torch_model(ids).logits
 
-    def fwd_bwd():
-        torch_model.zero_grad(set_to_none=True)
-        torch_model(ids, labels=ids).loss.backward()
+    def fwd_bwd(model=torch_model):
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
 
-    return timed(forward, reps), timed(fwd_bwd, reps)
+    times = [timed(forward, reps), timed(fwd_bwd, reps)]
+    if lora_rank:  # peft's LoRA: the base frozen, gradients for the adapters alone
+        import peft
+
+        config = peft.LoraConfig(
+            r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=LORA_TARGETS
+        )
+        adapted = peft.get_peft_model(torch_model, config)
+        times.append(timed(lambda: fwd_bwd(adapted), reps))
+    return times
 
 
 def _config(args) -> transformers.Qwen3Config:
@@ -156,11 +191,11 @@ def _side(args) -> None:
         torch_model = transformers.AutoModelForCausalLM.from_pretrained(
             args.checkpoint, dtype=torch.float32
         ).eval()
-        times = time_torch(torch_model, torch.tensor(ids_np), args.reps)
+        times = time_torch(torch_model, torch.tensor(ids_np), args.reps, args.lora_rank)
     else:
         ref = np.load(f"{args.checkpoint}/ref_logits.npy")
         model = load_pretrained(args.checkpoint, dtype=jnp.float32)
-        times = time_ours(model, jnp.asarray(ids_np, jnp.int32), ref, args.reps)
+        times = time_ours(model, jnp.asarray(ids_np, jnp.int32), ref, args.reps, args.lora_rank)
     print(json.dumps({"times": list(times), "threads": torch.get_num_threads()}))
 
 
@@ -175,6 +210,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--model-path", help="a Hugging Face folder instead of a random Qwen3")
+    p.add_argument("--lora-rank", type=int, default=0, help="also LoRA rows at this rank")
     p.add_argument("--side", choices=("torch", "ours"), help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -202,8 +238,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side, "--checkpoint", tmp]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             results[side] = json.loads(out.strip().splitlines()[-1])
-    t_fwd, t_fb, t_fb_chunked, t_actor, t_critic = results["ours"]["times"]
-    t_tfwd, t_tfb = results["torch"]["times"]
+    t_fwd, t_fb, t_fb_chunked, t_actor, t_critic, *lora_ours = results["ours"]["times"]
+    t_tfwd, t_tfb, *lora_torch = results["torch"]["times"]
 
     tokens = args.batch * args.seq
     what = args.model_path or f"Qwen3 {args.layers} layers, width {args.width}, vocab {args.vocab}"
@@ -227,6 +263,23 @@ def main() -> None:
     for name, seconds in rows:
         print(
             f"| {name} | {tokens / seconds:,.0f} | {tokens / t_tfb:,.0f} | {t_tfb / seconds:.2f}x |"
+        )
+    if args.lora_rank:
+        (t_lactor, t_lcritic), (t_peft,) = lora_ours, lora_torch
+        r = args.lora_rank
+        rows = [
+            (f"LoRA rank {r}: our actor update vs torch + peft forward+backward", t_lactor),
+            (f"LoRA rank {r}: our critic update vs torch + peft forward+backward", t_lcritic),
+            (f"LoRA rank {r}: our actor + critic updates, per model", (t_lactor + t_lcritic) / 2),
+        ]
+        for name, seconds in rows:
+            print(
+                f"| {name} | {tokens / seconds:,.0f} | {tokens / t_peft:,.0f} | "
+                f"{t_peft / seconds:.2f}x |"
+            )
+        print(
+            f"| LoRA against full fine-tuning: our actor update | {tokens / t_lactor:,.0f} | "
+            f"(full: {tokens / t_actor:,.0f}) | {t_actor / t_lactor:.2f}x |"
         )
 
 

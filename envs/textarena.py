@@ -42,6 +42,7 @@ games build a hosted-LLM client. Multi-player games are refused too.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import inspect
@@ -61,6 +62,7 @@ __all__ = [
     "SHORT_NAMES",
     "extract_move",
     "instance_split",
+    "closest_single_player",
 ]
 
 # TextArena game family (the folder of its env module) -> why it cannot run offline.
@@ -111,6 +113,26 @@ def instance_split(game: str, key: str) -> str:
     ``train``."""
     digest = hashlib.sha256(f"{SPLIT_SEED}:{game}:{key}".encode()).digest()
     return "test" if int.from_bytes(digest[:8], "little") % 5 == 0 else "train"
+
+
+def closest_single_player(game: str, n: int = 5) -> list[str]:
+    """The TextArena ids closest to ``game`` (difflib, case-insensitive) that run here: offline
+    single-player games; at most ``n``."""
+    from textarena.envs.registration import ENV_REGISTRY
+
+    lowered = {gid.lower(): gid for gid in ENV_REGISTRY}
+    near = difflib.get_close_matches(game.lower(), list(lowered), n=4 * n, cutoff=0.5)
+    out = []
+    for key in near:
+        gid = lowered[key]
+        try:
+            TextArenaEnv(game=gid)
+        except Exception:  # multi-player, needs the network, or fails to build: not offered
+            continue
+        out.append(gid)
+        if len(out) == n:
+            break
+    return out
 
 
 def _family(spec) -> str:
@@ -167,7 +189,11 @@ class TextArenaEnv(Env):
         check_split(split)
         game = SHORT_NAMES.get(game, game)
         if game not in ENV_REGISTRY:
-            raise ValueError(f"game: {game!r} is not a TextArena game id (e.g. GuessTheNumber-v0)")
+            close = closest_single_player(game)
+            known = f"; the closest single-player ids: {', '.join(close)}" if close else ""
+            raise ValueError(
+                f"game: {game!r} is not a TextArena game id (e.g. GuessTheNumber-v0){known}"
+            )
         spec = ENV_REGISTRY[game]
         family = _family(spec)
         if family in NEEDS_NETWORK:

@@ -203,6 +203,29 @@ def test_the_plan_proposes_settings_that_fit_and_keeps_the_users_own_flags(tmp_p
     assert make_plan(dataclasses.replace(mine, **held.blocked), limit=tight).fits
 
 
+def test_where_full_fine_tuning_cannot_fit_the_proposer_turns_lora_on_unless_told_not_to():
+    from train.plan import PROPOSED_LORA_RANK, propose
+
+    wide = list(TINY)
+    wide[wide.index("--width") + 1] = "256"  # adapters small beside the weights they sit on
+    cfg = parse_args([*wide, "--run-dir", os.devnull])
+    full = make_plan(cfg)
+    assert "reference parameters" in full.state
+    limit = full.resident_state // 2  # the weights, moments and reference alone do not fit
+    proposal = propose(cfg, limit=limit, given=cfg.given_fields)
+    assert proposal.plan.fits and proposal.changes["lora_rank"] == PROPOSED_LORA_RANK
+    state = proposal.plan.state
+    assert "reference parameters" not in state and "actor parameters" not in state
+    base = next(v for k, v in state.items() if k.startswith("base parameters"))
+    assert state["actor optimizer state"] < base  # moments for the adapters alone
+    assert f"--lora-rank {PROPOSED_LORA_RANK}" in proposal.verdict()
+    # full fine-tuning asked for explicitly: kept, and the refusal names LoRA as a way out
+    explicit = parse_args([*wide, "--run-dir", os.devnull, "--lora-rank", "0"])
+    kept = propose(explicit, limit=limit, given=explicit.given_fields)
+    assert not kept.plan.fits and "lora_rank" not in kept.changes
+    assert f"or LoRA (--lora-rank {PROPOSED_LORA_RANK}" in kept.verdict()
+
+
 def test_the_device_count_named_is_the_fewest_on_which_every_program_would_fit():
     from train.plan import Plan, Program, devices_needed, way_out
 
@@ -240,6 +263,7 @@ def test_a_refusal_names_a_device_count_that_applied_fits(tmp_path):
     at = TINY.index("--micro-batches")
     flags = [*TINY[:at], *TINY[at + 2 :]]
     flags[flags.index("--prompts-per-step") + 1] = "16"  # a minibatch's rows split over 16
+    flags += ["--lora-rank", "0"]  # full fine-tuning asked for: the proposer keeps it
     cfg = parse_args([*flags, "--run-dir", os.devnull])
     limit = make_plan(cfg).resident_state // 2  # the weights and moments alone do not fit
     proposal = propose(cfg, limit=limit, given=cfg.given_fields)

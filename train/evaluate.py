@@ -35,6 +35,7 @@ from train.core.checkpoint import Checkpoints
 from train.core.config import TrainConfig
 from train.core.episodes import EVAL_STREAM, fit_tasks, length_budget, sampling_key
 from train.core.evaluation import evaluate_set
+from train.core.preflight import check_split_draws
 from train.engine.sampler import Sampler
 
 __all__ = ["main", "evaluate"]
@@ -46,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--model-path", help="a Hugging Face folder (a checkpoint or an export)")
     src.add_argument("--run-dir", help="a run directory of train.run / train.sft")
     p.add_argument("--step", type=int, help="the run's checkpoint (default: the latest)")
+    p.add_argument(
+        "--adapter", help="a PEFT LoRA folder to evaluate on the --model-path base (merged)"
+    )
     p.add_argument("--env", help="environment (default: the run's, or synthetic-nav)")
     p.add_argument("--env-set", nargs="*", default=[], metavar="KEY=VALUE", help="env options")
     p.add_argument("--split", default="test", help="the split to draw tasks from (default test)")
@@ -63,7 +67,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=None, help="decode rows (0: one per episode)")
     p.add_argument("--decode-chunk", type=int, default=None, help="decode steps a chunk")
     p.add_argument("--env-workers", type=int, default=None, help="environment threads")
-    p.add_argument("--out", help="where metrics.json and transcripts.jsonl go")
+    p.add_argument(
+        "--out",
+        help="where metrics.json and transcripts.jsonl go (default: evaluations/<model>-<game or "
+        "env>-<split>, suffixed -2, -3... when taken; a given --out that holds results is refused)",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a bar of episodes done and success so far (default: on)",
+    )
     return p
 
 
@@ -109,6 +123,7 @@ def evaluate(args) -> tuple[dict, list[dict], Path]:
     cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype(cfg.compute_dtype))
     options = {**cfg.env_set, "split": args.split}
     probe = envs.make(cfg.env, seed=0, **options)
+    check_split_draws(cfg.env, options, flag="--split")
     codec = run_codec(cfg, probe)
     mc = model_config(cfg, codec)
     if hasattr(codec, "check_vocabulary"):
@@ -129,7 +144,15 @@ def evaluate(args) -> tuple[dict, list[dict], Path]:
         drop=args.drop_long_tasks,
         say=say,
     )
+    out = output_folder(args, cfg, step)
     model = restore_model(args.run_dir, mc, step=step) if args.run_dir else initial_actor(cfg, mc)
+    if args.adapter:
+        if args.run_dir:
+            raise ValueError("--adapter: puts a PEFT folder on the --model-path base; a run's "
+                             "checkpoint holds its own adapters already")  # fmt: skip
+        model = with_adapter(model, args.adapter)
+    say(f"evaluating {args.episodes} tasks x {args.k} samples of {task_name(cfg)} ({args.split}) "
+        f"into {out}")  # fmt: skip
     name = "heldout" if args.split == "test" else args.split
     metrics, records = evaluate_set(
         name,
@@ -146,14 +169,64 @@ def evaluate(args) -> tuple[dict, list[dict], Path]:
         key=sampling_key(cfg.seed, EVAL_STREAM, step * 2, 0),
         transcripts=True,
         engine=cfg.engine_settings(),
+        progress=args.progress,
     )
-    source = args.run_dir or args.model_path
-    default = (
-        Path(args.run_dir) / "evaluations" / f"step{step}-{args.split}"
-        if args.run_dir
-        else Path("evaluations") / f"{Path(source).name}-{cfg.env}-{args.split}"
+    return metrics, records, out
+
+
+def with_adapter(base_model, folder):
+    """``base_model`` with a PEFT LoRA folder's adapters merged in (refused, naming the folder,
+    when it was made for another base or architecture)."""
+    from flax import nnx
+
+    from train.core.build import trainable_like
+    from train.model.lora import (
+        check_targets,
+        fingerprint,
+        load_peft,
+        lora_scale,
+        merge_weights,
+        peft_settings,
     )
-    return metrics, records, Path(args.out or default)
+    from train.model.qwen3 import Qwen3ForCausalLM
+
+    rank, alpha, targets = peft_settings(folder)
+    mc = dataclasses.replace(base_model.cfg, lora_rank=rank, lora_alpha=alpha)
+    mc = dataclasses.replace(mc, lora_targets=check_targets(targets, mc))
+    graphdef, base = nnx.split(base_model)
+    like = trainable_like(Qwen3ForCausalLM, mc)
+    adapters = load_peft(folder, like, mc, base_hash=fingerprint(base), flag="--adapter")
+    return nnx.merge(graphdef, merge_weights(base, adapters, lora_scale(rank, alpha)))
+
+
+def task_name(cfg: TrainConfig) -> str:
+    """What the evaluation plays: the TextArena game (``TowerOfHanoi-v0``) or the environment."""
+    game = cfg.env_set.get("game")
+    return f"{cfg.env}-{game}" if game and cfg.env == "textarena" else cfg.env
+
+
+def output_folder(args, cfg: TrainConfig, step: int) -> Path:
+    """Where the results go, decided before the evaluation runs. A given ``--out`` that already
+    holds a ``metrics.json`` is refused; the default folder (named for the model, the game or
+    environment and the split) takes the first free suffix ``-2``, ``-3``... and says so."""
+    if args.out:
+        out = Path(args.out)
+        if (out / "metrics.json").exists():
+            raise ValueError(f"--out: {out} already holds an evaluation (metrics.json); choose "
+                             "another folder or remove it")  # fmt: skip
+        return out
+    name = task_name(cfg)
+    if args.run_dir:
+        default = Path(args.run_dir) / "evaluations" / f"step{step}-{name}-{args.split}"
+    else:
+        default = Path("evaluations") / f"{Path(args.model_path).name}-{name}-{args.split}"
+    out, n = default, 1
+    while (out / "metrics.json").exists():
+        n += 1
+        out = default.with_name(f"{default.name}-{n}")
+    if out != default:
+        print(f"{default} holds an earlier evaluation: writing to {out}", file=sys.stderr)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
     python -m train.export --run-dir runs/x --out exported/ [--step N] [--dtype bfloat16]
     python -m train.export --run-dir runs/x --out exported/ --critic   # the critic beside it
+    python -m train.export --run-dir runs/lora --out adapters/ --adapters   # LoRA: PEFT's folder
 
 Reads the run's ``config.json`` and the actor alone from its checkpoint (no trainer, sampler,
 optimizer or critic is built; ``--critic`` reads the critic too) and writes to ``--out``:
@@ -12,6 +13,12 @@ source checkpoint's, or one naming the run's stop tokens and temperature) and
 under the causal LM's names plus ``value_head.weight`` and ``value_head.bias``, which
 ``train.run --critic-from OUT/critic`` reads back. ``train.run --init-from OUT`` (or
 ``--model-path OUT``) starts a new run from the export.
+
+A LoRA run (``--lora-rank``) exports either the merged model (the default: the base re-read, the
+adapters added in, the folder above) or, with ``--adapters``, the actor's adapters alone as a PEFT
+folder (``adapter_config.json``, ``adapter_model.safetensors``; :func:`train.model.lora.save_peft`)
+that ``peft.PeftModel.from_pretrained`` puts on the transformers base, that ``train.evaluate
+--model-path BASE --adapter OUT`` evaluates and ``train.run --init-from OUT`` starts from.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from train.core.build import model_config, model_source, restore_model, run_code
 from train.core.checkpoint import Checkpoints
 from train.model.weights import save_pretrained
 
-__all__ = ["main", "export"]
+__all__ = ["main", "export", "export_adapters"]
 
 
 def _generation_config(cfg, codec, source_folder: str | None) -> dict:
@@ -88,6 +95,36 @@ def export(
     return out
 
 
+def export_adapters(run_dir: Path, out: Path, *, step: int | None = None) -> Path:
+    """Writes a LoRA run's actor adapters at ``step`` as a PEFT folder (refuses a run without
+    LoRA, and a non-empty ``out``)."""
+    from flax import nnx
+
+    from train.core.build import check_base, initial_actor, lora_config, trainable_like
+    from train.model.lora import fingerprint, save_peft
+    from train.model.qwen3 import Qwen3ForCausalLM
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out: {out} exists and is not empty (nothing was written)")
+    cfg = run_config(run_dir)
+    if not cfg.lora_rank:
+        raise ValueError(f"--adapters: {run_dir} trained the full model (no --lora-rank); "
+                         "export it without --adapters")  # fmt: skip
+    codec = run_codec(cfg, envs.make(cfg.env, seed=0, **{"split": "train", **cfg.env_set}))
+    mc = model_config(cfg, codec)
+    base = nnx.state(initial_actor(cfg, mc))
+    base_hash = fingerprint(base)
+    lmc = lora_config(cfg, mc)
+    checkpoints = Checkpoints(Path(run_dir) / "checkpoints", create=False)
+    like = {"actor": trainable_like(Qwen3ForCausalLM, lmc), "base": None}
+    restored = checkpoints.restore(like, step)
+    path = model_source(cfg).path
+    check_base(restored["base"], path, base_hash, where="checkpoint")
+    save_peft(out, restored["actor"], lmc, base_path=path, base_hash=base_hash)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.split("\n")[0])
     p.add_argument("--run-dir", required=True, help="the run directory of train.run / train.sft")
@@ -97,11 +134,26 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=("float32", "bfloat16"), help="weights' dtype (default: as trained)"
     )
     p.add_argument("--critic", action="store_true", help="also write the critic to OUT/critic")
+    p.add_argument(
+        "--adapters",
+        action="store_true",
+        help="a LoRA run: the actor's adapters alone, as a PEFT folder (default: merged model)",
+    )
     args = p.parse_args(argv)
     try:
-        out = export(
-            Path(args.run_dir), Path(args.out), step=args.step, dtype=args.dtype, critic=args.critic
-        )
+        if args.adapters:
+            if args.critic or args.dtype:
+                raise ValueError("--adapters: writes the actor's float32 adapters alone; drop "
+                                 "--critic and --dtype")  # fmt: skip
+            out = export_adapters(Path(args.run_dir), Path(args.out), step=args.step)
+        else:
+            out = export(
+                Path(args.run_dir),
+                Path(args.out),
+                step=args.step,
+                dtype=args.dtype,
+                critic=args.critic,
+            )
     except (ValueError, FileNotFoundError) as e:
         print(f"refused: {e}", file=sys.stderr)
         return 2

@@ -154,6 +154,18 @@ def _bytes_per_device(tree) -> int:
     return total
 
 
+def _adapted_kernels(base, adapters) -> list:
+    """The base's kernels that adapters sit on (generation holds a merged copy of each)."""
+    from flax import nnx
+
+    flat = dict(nnx.to_flat_state(base))
+    return [
+        flat[(*path[:-2], "kernel")].get_value()
+        for path, _ in nnx.to_flat_state(adapters)
+        if path[-1] == "lora_a"
+    ]
+
+
 def _abstract(tree, shardings=None):
     """ShapeDtypeStructs of a pytree (placed with ``shardings``, a matching pytree, if given)."""
     if shardings is None:
@@ -231,7 +243,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
 
     import envs
     from mpo_jax import algorithms
-    from train.core.build import model_config, needs_reference, run_codec
+    from train.core.build import lora_config, model_config, needs_reference, run_codec
     from train.core.learner import ActionRows, Models, UpdateFns, loss_fields, make_optimizer
     from train.core.scoring import Scorer
     from train.engine.sampler import (
@@ -242,6 +254,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         cache_slots,
         splits_layers,
     )
+    from train.model.lora import TRAINABLE, Adapted
     from train.model.qwen3 import KVCache, Qwen3ForCausalLM, Qwen3ValueModel
     from train.model.sharding import batch_sharding, batch_ways, make_mesh, param_shardings
 
@@ -287,8 +300,22 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         ]
         return graphdef, nnx.from_flat_state(flat)
 
-    actor_def, actor = placed(Qwen3ForCausalLM)
-    critic_def, critic = placed(Qwen3ValueModel) if algo.needs_critic else (None, None)
+    base_def, base = placed(Qwen3ForCausalLM)  # the policy as sampled (LoRA: the merged base)
+    # trained: what the optimizer holds; read: what a loss or scoring reads (LoRA: Adapted)
+    if cfg.lora_rank:
+        mc = lora_config(cfg, mc)
+        actor_def, actor_all = placed(Qwen3ForCausalLM)
+        actor = nnx.state(actor_all, TRAINABLE)
+        read = {"actor": Adapted(base, actor)}
+        critic_def = critic = None
+        if algo.needs_critic:
+            critic_def, critic_all = placed(Qwen3ValueModel)
+            critic = nnx.state(critic_all, TRAINABLE)
+            read["critic"] = Adapted(nnx.State({"model": base["model"]}), critic)
+    else:
+        actor_def, actor = base_def, base
+        critic_def, critic = placed(Qwen3ValueModel) if algo.needs_critic else (None, None)
+        read = {"actor": actor, "critic": critic}
     opt = dict(warmup_steps=cfg.warmup_steps, clip=cfg.grad_clip, weight_decay=cfg.weight_decay)
     fns = UpdateFns(
         Models(actor_def, critic_def),
@@ -311,12 +338,16 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         shardings = jax.tree.map(on_mesh, init.output_shardings)
         opts[which] = _abstract(init.out_info, shardings)
 
-    state = {"actor parameters": _bytes_per_device(actor)}
+    state = {}
+    if cfg.lora_rank:  # one frozen base: the actor's, the critic's trunk and the reference
+        state["base parameters (frozen: actor, critic trunk, reference)"] = _bytes_per_device(base)
+    state["actor adapters" if cfg.lora_rank else "actor parameters"] = _bytes_per_device(actor)
     state["actor optimizer state"] = _bytes_per_device(opts["actor"])
     if critic is not None:
-        state["critic parameters"] = _bytes_per_device(critic)
+        name = "critic adapters and value head" if cfg.lora_rank else "critic parameters"
+        state[name] = _bytes_per_device(critic)
         state["critic optimizer state"] = _bytes_per_device(opts["critic"])
-    if needs_reference(cfg, algo):
+    if needs_reference(cfg, algo) and not cfg.lora_rank:
         state["reference parameters"] = state["actor parameters"]
     resident = sum(state.values())
     episodes = cfg.prompts_per_step * cfg.group_size // jax.process_count()
@@ -334,9 +365,13 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         spec = batch_sharding(mesh) if sharded else jax.sharding.NamedSharding(mesh, jax.P())
         return jax.ShapeDtypeStruct(shape, dtype, sharding=spec)
 
-    actor_bytes = state["actor parameters"]
+    actor_bytes = _bytes_per_device(base)
     sampler_resident = resident
-    if splits_layers(actor, platform or jax.default_backend()):  # the sampler's own rule
+    if cfg.lora_rank:  # generation reads W + (alpha / r) A B: new arrays for the adapted kernels
+        merged = _bytes_per_device(_adapted_kernels(base, actor))
+        state["merged kernels for generation (rollouts only)"] = merged
+        sampler_resident += merged
+    if splits_layers(base, platform or jax.default_backend()):  # the sampler's own rule
         # the sampler's own copy of the weights, one array a layer (Sampler's split_layers)
         state["sampler weights, one array a layer (rollouts only)"] = actor_bytes
         sampler_resident += actor_bytes
@@ -352,23 +387,23 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
     chunk = min(512, bucket(max_len))
     vocab = mc.vocab_size
     prefill = compile_(
-        _extend_jit, actor_def, actor, cache, host((rows, chunk), jnp.int32),
+        _extend_jit, base_def, base, cache, host((rows, chunk), jnp.int32),
         host((rows,), jnp.int32), host((rows,), jnp.int32), host((rows, vocab), jnp.float32),
     )  # fmt: skip
     rollout_flags = "--slots (decode rows), --max-len, --mesh"
     own = _own(prefill, actor_bytes)
     programs.append(
-        Program("sampler prefill", own, sampler_resident, rollout_flags, own, gathered(actor))
+        Program("sampler prefill", own, sampler_resident, rollout_flags, own, gathered(base))
     )
     decode = compile_(
-        _decode_jit, actor_def, max_len, actor, cache, host((rows,), jnp.int32),
+        _decode_jit, base_def, max_len, base, cache, host((rows,), jnp.int32),
         host((rows, vocab), jnp.float32), host((rows,), bool), host((rows,), jnp.int32),
         jax.random.key(0), max_new,
         cfg.temperature, 0, 1.0, (1,), jnp.int32(1),
     )  # fmt: skip
     own = _own(decode, actor_bytes)
     programs.append(
-        Program("sampler decode", own, sampler_resident, rollout_flags, own, gathered(actor))
+        Program("sampler decode", own, sampler_resident, rollout_flags, own, gathered(base))
     )
 
     micro = micro_rows(cfg, max_len, batch_ways(mesh))
@@ -378,17 +413,19 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
     positions = host((micro, max_len), jnp.int32, **rows_spec)
     scorer = Scorer(rows=micro, temperature=cfg.temperature)
     score_flags = "--micro-batch-tokens, --max-len, --mesh"
-    logp = compile_(scorer._logp, actor_def, actor, tokens, positions, temperature=cfg.temperature)
-    own = _own(logp, actor_bytes)
-    programs.append(Program("scoring (actor)", own, resident, score_flags, 0, gathered(actor)))
+    logp = compile_(
+        scorer._logp, actor_def, read["actor"], tokens, positions, temperature=cfg.temperature
+    )
+    own = _own(logp, _bytes_per_device(read["actor"]))
+    programs.append(Program("scoring (actor)", own, resident, score_flags, 0, gathered(base)))
     if critic is not None:
         values = compile_(
-            scorer._values, critic_def, critic, tokens, positions,
+            scorer._values, critic_def, read["critic"], tokens, positions,
             host((micro,), jnp.int32, **rows_spec),
         )  # fmt: skip
-        own = _own(values, state["critic parameters"])
+        own = _own(values, _bytes_per_device(read["critic"]))
         programs.append(
-            Program("scoring (critic)", own, resident, score_flags, 0, gathered(critic))
+            Program("scoring (critic)", own, resident, score_flags, 0, gathered(read["critic"]))
         )
 
     dtypes = {"loss_mask": bool, "turn_ids": jnp.int32}
@@ -410,13 +447,13 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         if which not in models:
             continue
         params = models[which]
-        step = compile_(grad_fn, params, batch, *extra)
-        own = _own(step, _bytes_per_device(params))
+        step = compile_(grad_fn, read[which], batch, *extra)
+        own = _own(step, _bytes_per_device(read[which]))
         programs.append(
             Program(
                 f"training micro-step ({which})", own, resident + accumulate, train_flags,
                 shardable=min(own, _bytes_per_device(params)),  # the gradients it returns
-                gathered=gathered(params),
+                gathered=gathered(read[which]),
             )
         )  # fmt: skip
         update = compile_(fns.apply, which, params, opts[which], params, scalar)
@@ -430,6 +467,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         f"--max-len {max_len}, micro-batches of {micro} rows, compute {cfg.compute_dtype}, "
         f"parameters {cfg.param_dtype}, moments {cfg.opt_dtype}, --remat {cfg.remat}, "
         f"mesh {dict(mesh.shape)}"
+        + (f", LoRA rank {cfg.lora_rank} on {','.join(mc.lora_targets)}" if cfg.lora_rank else "")
     )
     return Plan(
         n, state, programs, limit, notes, shape=shape, max_len=max_len, batch_ways=batch_ways(mesh)
@@ -553,6 +591,9 @@ def propose(
     say = say or (lambda message: None)
     plan = make_plan(cfg, limit=limit, platform=platform)
     if plan.resident_state > limit:  # the weights and moments alone: no setting lowers them
+        adapters = _with_lora(cfg, limit, platform, given, tries, say)
+        if adapters is not None:
+            return adapters
         return Proposal(cfg, plan, {}, {}, needs=_needs(cfg, plan, limit, platform, say))
     chosen, plan, changes, blocked = _search(cfg, limit, platform, set(given), tries, say, plan)
     proposal = Proposal(chosen, plan, changes, {})
@@ -563,8 +604,32 @@ def propose(
         if freed.fits:
             proposal.blocked = freed_changes
             return proposal
+    adapters = _with_lora(cfg, limit, platform, given, tries, say)
+    if adapters is not None:
+        return adapters
     proposal.needs = _needs(cfg, plan, limit, platform, say)
     return proposal
+
+
+# the rank the proposer turns LoRA on with, where full fine-tuning cannot fit
+PROPOSED_LORA_RANK = 16
+
+
+def _with_lora(cfg, limit, platform, given, tries, say) -> Proposal | None:
+    """Full fine-tuning does not fit: the proposal with LoRA (:data:`PROPOSED_LORA_RANK` on every
+    projection: one frozen base, moments for the adapters alone, no reference copy), when it
+    fits and the user did not set ``--lora-rank`` themselves."""
+    if cfg.lora_rank or "lora_rank" in given:
+        return None
+    adapted = dataclasses.replace(cfg, lora_rank=PROPOSED_LORA_RANK)
+    say(f"plan: full fine-tuning does not fit; trying --lora-rank {PROPOSED_LORA_RANK}")
+    plan = make_plan(adapted, limit=limit, platform=platform)
+    if plan.resident_state > limit:
+        return None
+    chosen, plan, changes, _ = _search(adapted, limit, platform, set(given), tries, say, plan)
+    if not plan.fits:
+        return None
+    return Proposal(chosen, plan, {"lora_rank": PROPOSED_LORA_RANK, **changes}, {})
 
 
 def floor_settings(max_len: int) -> dict:
@@ -620,8 +685,7 @@ def way_out(plan: Plan, floor_plan: Plan, limit: int, minibatch_rows: int) -> st
             f"nothing on {plan.devices} device(s) fits ({why}), nor on any number of devices "
             f"with fsdp: {worst.name} keeps {_size(worst.peak_on(1 << 30))} a "
             f"device at its floor (one row of --max-len {plan.max_len}), which more devices do "
-            "not divide; try a shorter --max-len, or fewer trained parameters (LoRA, not built "
-            "yet)"
+            f"not divide; try a shorter --max-len{_lora_hint(plan)}"
         )
     k = devices // plan.devices
     estimate = max(p.peak_on(k) for p in floor_plan.programs)
@@ -635,8 +699,15 @@ def way_out(plan: Plan, floor_plan: Plan, limit: int, minibatch_rows: int) -> st
         f"nothing on {plan.devices} device(s) fits ({why}); try {devices} devices with fsdp "
         f"(--mesh 1,{devices},1: about {_size(estimate)} a device with every setting at its "
         f"floor, an estimate that python -m train.plan --devices {devices} --mesh 1,{devices},1 "
-        f"checks{split}), a shorter --max-len, or fewer trained parameters (LoRA, not built yet)"
+        f"checks{split}), or a shorter --max-len{_lora_hint(plan)}"
     )
+
+
+def _lora_hint(plan: Plan) -> str:
+    """LoRA as a way out, unless the plan trains adapters already."""
+    if any(name.startswith("base parameters") for name in plan.state):
+        return ""
+    return f", or LoRA (--lora-rank {PROPOSED_LORA_RANK}: a frozen base, no reference copy)"
 
 
 def _split_argv(argv):

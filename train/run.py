@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -22,7 +23,8 @@ from train.core.checkpoint import Checkpoints
 from train.core.config import RESUMABLE, TrainConfig, parse_args, read_run_config
 from train.core.config import save_config as write_config
 from train.core.distributed import initialize_from_env
-from train.core.metrics import MetricsLog
+from train.core.evaluation import EvaluationFailed, evaluate_after_save, evaluation_pending
+from train.core.metrics import MetricsLog, read_metrics
 from train.core.trainer import Trainer
 from train.engine.servers import ServerError
 
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if checkpoints.latest() is not None:
         trainer.state = checkpoints.restore(trainer.state)
     start = int(trainer.state["step"])
+    pending = evaluation_pending(saved_line(run_dir, start), trainer.evaluation_due(start))
     log = None
     if lead:
         log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
@@ -123,13 +126,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results = (trainer.step(step) for step in steps)
     try:
+        if pending:  # the saved step's evaluation failed or was cut: it runs first
+            run = partial(trainer.evaluate, start)
+            evaluate_after_save(run, step=start, run_dir=run_dir, log=log)
         for step, metrics in zip(steps, with_step_rate(results), strict=False):
+            # the step is written and saved before its evaluation, which may fail
+            evaluate = trainer.evaluation_due(step + 1)
             if log is not None:
                 log.write(metrics)
-            if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            if evaluate or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
                 checkpoints.save(step + 1, trainer.state)
                 if log is not None:
                     log.flush()
+            if evaluate:
+                checkpoints.wait()
+                run = partial(trainer.evaluate, step + 1)
+                evaluate_after_save(run, step=step + 1, run_dir=run_dir, log=log)
+    except EvaluationFailed as e:
+        print(f"stopped: {e}; continue with python -m train.run --resume --run-dir {run_dir}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     except ServerError as e:  # the rollout servers failed: stop here, resumable
         checkpoints.wait()
         last = checkpoints.latest()
@@ -144,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         if log is not None:
             log.close()
     return 0
+
+
+def saved_line(run_dir: Path, step: int) -> dict | None:
+    """The metrics.jsonl line of ``step`` (a resumed run's checkpoint), or None."""
+    rows = [m for m in read_metrics(run_dir) if m.get("step") == step]
+    return rows[-1] if rows and step > 0 else None
 
 
 def with_step_rate(results):

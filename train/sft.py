@@ -10,7 +10,7 @@ Data, as token ids exactly as RL will see them (the environment's codec, never r
   rollout loop; with ``--demo-noise ε`` each turn goes wrong with probability ε (the
   environment's own ``demo_turn(rng, noise)`` where it has one, else random words instead of the
   scripted turn), so that the warm-started policy succeeds only sometimes, as a pretrained one
-  does. The held-out set is the environment's test split.
+  does. The held-out set is the environment's ``--eval-split`` (default ``test``).
 * ``--data FILE.jsonl``: one conversation a line, ``{"messages": [...], "tools": [...]}`` in the
   chat format of the chat environments (system, user, assistant, tool messages; an assistant
   message's ``tool_calls`` become ``<tool_call>`` blocks). The messages before the first
@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 import envs
 from envs.chat import format_tool_call
@@ -49,14 +49,22 @@ from envs.rollout import collect
 from envs.scripted import ScriptedPolicy, oracle_act
 from kernels.logprobs import logprobs_and_entropy
 from mpo_jax.batch import padded_length
-from train.core.build import compute_dtype, initial_actor, model_config, run_codec
+from train.core.build import check_base, compute_dtype, initial_actor, model_config, run_codec
 from train.core.checkpoint import Checkpoints
 from train.core.config import HELP, TrainConfig, read_run_config
 from train.core.episodes import EVAL_STREAM, fit_tasks, length_budget, sampling_key
-from train.core.evaluation import evaluate_set
+from train.core.evaluation import (
+    EvaluationFailed,
+    evaluate_after_save,
+    evaluate_set,
+    evaluation_pending,
+)
 from train.core.learner import make_optimizer
-from train.core.metrics import MetricsLog
+from train.core.metrics import MetricsLog, read_metrics
+from train.core.preflight import check_split_draws
+from train.core.roles import build_roles
 from train.engine.sampler import Sampler
+from train.model.lora import bind
 
 __all__ = ["SFTConfig", "Examples", "main", "demonstrations", "conversations", "pack"]
 
@@ -79,7 +87,7 @@ SFT_HELP = {
     "demos": "demonstration episodes to train on",
     "demo_noise": "probability that a demonstration turn goes wrong (the warm start's "
     "imperfection)",
-    "val_demos": "held-out demonstration episodes (the environment's test split)",
+    "val_demos": "held-out demonstration episodes (the environment's --eval-split)",
     "val_fraction": "share of a --data file's conversations held out",
     "batch_size": "rows a step",
     "pack": "pack conversations into rows of --max-len tokens instead of padding each row",
@@ -88,9 +96,10 @@ SFT_HELP = {
 RUN_FIELDS = (
     "env", "env_set", "model_path", "init_from", "tokenizer_path", "enable_thinking", "layers",
     "width", "heads", "kv_heads", "param_dtype", "compute_dtype", "opt_dtype", "remat", "max_len",
+    "lora_rank", "lora_alpha", "lora_targets",
     "max_new_tokens", "temperature", "lr", "warmup_steps", "grad_clip", "weight_decay", "steps",
-    "eval_every", "eval_episodes", "eval_k", "checkpoint_every", "keep_checkpoints", "run_dir",
-    "resume", "seed", "progress",
+    "eval_every", "eval_split", "eval_episodes", "eval_k", "checkpoint_every", "keep_checkpoints",
+    "run_dir", "resume", "seed", "progress",
 )  # fmt: skip
 SFT_DEFAULTS = {"steps": 200, "eval_every": 50, "checkpoint_every": 50}
 PRETRAINED_SFT_LR = 1e-5  # supervised fine-tuning of a pretrained model (RL's default is 1e-6)
@@ -266,7 +275,7 @@ def pack(examples: Examples, width: int) -> Examples:
 
 def _loss(graphdef, params, tokens, mask, starts):
     """(mean NLL of the masked tokens, their count); next-token log-probs of every position."""
-    model = nnx.merge(graphdef, params)
+    model = bind(graphdef, params)
     hidden = model.model(tokens, segment_starts=starts)
     weight, axis = model.lm_head()
     logp, _ = logprobs_and_entropy(hidden[:, :-1], weight, tokens[:, 1:], vocab_axis=axis)
@@ -377,6 +386,9 @@ def _setup(cfg: TrainConfig, sft: SFTConfig) -> dict[str, Any]:
     )
     if not 0 <= sft.demo_noise <= 1:
         raise ValueError(f"demo_noise: must be in [0, 1], got {sft.demo_noise}")
+    held_out = {**cfg.env_set, "split": cfg.eval_split}
+    if not sft.data or (cfg.eval_every and cfg.eval_episodes):  # plays the split later: draw now
+        check_split_draws(cfg.env, held_out, flag="--eval-split")
     out: dict[str, Any] = {"cfg": cfg, "codec": codec, "probe": probe}
     if sft.data:
         rows, dropped = conversations(sft.data, codec, max_len=cfg.max_len)
@@ -396,12 +408,18 @@ def _setup(cfg: TrainConfig, sft: SFTConfig) -> dict[str, Any]:
             cfg, codec, split="train", n=sft.demos, noise=sft.demo_noise, seed=cfg.seed
         )
         out["val"], _ = demonstrations(
-            cfg, codec, split="test", n=sft.val_demos, noise=sft.demo_noise, seed=cfg.seed + 1
+            cfg,
+            codec,
+            split=cfg.eval_split,
+            n=sft.val_demos,
+            noise=sft.demo_noise,
+            seed=cfg.seed + 1,
         )
     if sft.pack:
         out["train"] = pack(out["train"], cfg.max_len)
     actor = initial_actor(cfg, mc)
-    out["graphdef"], out["params"] = nnx.split(actor)
+    roles = build_roles(cfg, actor, needs_critic=False, needs_reference=False, place=lambda x: x)
+    out["roles"], out["graphdef"], out["params"] = roles, roles.actor_def, roles.trainable["actor"]
     out["tx"] = make_optimizer(
         cfg.lr, warmup_steps=cfg.warmup_steps, clip=cfg.grad_clip, weight_decay=cfg.weight_decay
     )
@@ -413,75 +431,103 @@ def _setup(cfg: TrainConfig, sft: SFTConfig) -> dict[str, Any]:
 def _train(cfg: TrainConfig, sft: SFTConfig, s: dict, run_dir: Path) -> int:
     graphdef, tx = s["graphdef"], s["tx"]
     checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+    roles = s["roles"]
     state = {"actor": s["params"], "actor_opt": s["opt"], "step": 0}
+    if roles.lora:
+        state["base"] = roles.base  # a checkpoint names its base
     if checkpoints.latest() is not None:
+        if roles.lora:
+            recorded = checkpoints.restore({"base": None})["base"]
+            check_base(recorded, roles.base["path"], roles.base["fingerprint"], where="--resume")
         state = checkpoints.restore(state)
     start = int(state["step"])
     loss_fn = jax.jit(_loss, static_argnums=0)
 
     @jax.jit
-    def update(params, opt, tokens, mask, starts):
+    def update(params, opt, tokens, mask, starts):  # params: what trains (LoRA: the adapters)
         (loss, count), grads = jax.value_and_grad(
-            lambda p: _loss(graphdef, p, tokens, mask, starts), has_aux=True
+            lambda p: _loss(graphdef, roles.params("actor", p), tokens, mask, starts),
+            has_aux=True,
         )(params)
         updates, opt = tx.update(grads, opt, params)
         return optax.apply_updates(params, updates), opt, loss, count, optax.tree.norm(grads)
 
     train, val = s["train"], s["val"]
-    log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
     sampler = None
-    for step in range(start, cfg.steps):
-        rows = np.random.default_rng([cfg.seed, step]).choice(
-            len(train.tokens), size=min(sft.batch_size, len(train.tokens)), replace=False
+
+    def held_out(steps_done: int) -> dict[str, float]:
+        """The policy's held-out success (the trainer's own evaluation)."""
+        nonlocal sampler
+        if sampler is None:
+            sampler = Sampler(s["model"], capacity=cfg.max_len)
+        sampler.state = roles.sampling(state["actor"])
+        figures, _ = evaluate_set(
+            "heldout",
+            env=cfg.env,
+            options={**cfg.env_set, "split": cfg.eval_split},
+            codec=s["codec"],
+            sampler=sampler,
+            seed=cfg.seed,
+            episodes=cfg.eval_episodes,
+            k=cfg.eval_k,
+            max_len=cfg.max_len,
+            max_new_tokens=cfg.max_new_tokens or s["probe"].turn_budget or 256,
+            temperature=cfg.temperature,
+            key=sampling_key(cfg.seed, EVAL_STREAM, steps_done * 2, 0),
         )
-        tokens, mask, starts = _batch(train, rows)
-        state["actor"], state["actor_opt"], loss, count, norm = update(
-            state["actor"], state["actor_opt"], tokens, mask, starts
-        )
-        metrics = {
-            "step": step + 1,
-            "loss": float(loss),
-            "tokens": int(count),
-            "grad_norm": float(norm),
-        }
-        if step == start and s["demo_success"] is not None:
-            metrics["demo_success_rate"] = s["demo_success"]
-        due = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
-        if due and val is not None:
-            losses, counts = [], []
-            for lo in range(0, len(val.tokens), sft.batch_size):
-                vt, vm, vs = _batch(val, np.arange(lo, min(len(val.tokens), lo + sft.batch_size)))
-                value, n = loss_fn(graphdef, state["actor"], vt, vm, vs)
-                losses.append(float(value) * float(n))
-                counts.append(float(n))
-            metrics["held_out_loss"] = sum(losses) / max(sum(counts), 1.0)
-        if due and cfg.eval_episodes:
-            if sampler is None:
-                sampler = Sampler(s["model"], capacity=cfg.max_len)
-            sampler.state = state["actor"]
-            probe = s["probe"]
-            figures, _ = evaluate_set(
-                "heldout",
-                env=cfg.env,
-                options={**cfg.env_set, "split": "test"},
-                codec=s["codec"],
-                sampler=sampler,
-                seed=cfg.seed,
-                episodes=cfg.eval_episodes,
-                k=cfg.eval_k,
-                max_len=cfg.max_len,
-                max_new_tokens=cfg.max_new_tokens or probe.turn_budget or 256,
-                temperature=cfg.temperature,
-                key=sampling_key(cfg.seed, EVAL_STREAM, (step + 1) * 2, 0),
+        return figures
+
+    every = cfg.eval_every
+    due_at_start = bool(every and cfg.eval_episodes) and (start % every == 0 or start == cfg.steps)
+    saved = [m for m in read_metrics(run_dir) if m.get("step") == start and start > 0]
+    log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
+    try:
+        if evaluation_pending(saved[-1] if saved else None, due_at_start):
+            evaluate_after_save(partial(held_out, start), step=start, run_dir=run_dir, log=log)
+        for step in range(start, cfg.steps):
+            rows = np.random.default_rng([cfg.seed, step]).choice(
+                len(train.tokens), size=min(sft.batch_size, len(train.tokens)), replace=False
             )
-            metrics.update(figures)
-        state["step"] = step + 1
-        log.write(metrics)
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            checkpoints.save(step + 1, state)
-            log.flush()
-    checkpoints.wait()
-    log.close()
+            tokens, mask, starts = _batch(train, rows)
+            state["actor"], state["actor_opt"], loss, count, norm = update(
+                state["actor"], state["actor_opt"], tokens, mask, starts
+            )
+            metrics = {
+                "step": step + 1,
+                "loss": float(loss),
+                "tokens": int(count),
+                "grad_norm": float(norm),
+            }
+            if step == start and s["demo_success"] is not None:
+                metrics["demo_success_rate"] = s["demo_success"]
+            due = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
+            if due and val is not None:
+                losses, counts = [], []
+                for lo in range(0, len(val.tokens), sft.batch_size):
+                    chunk = np.arange(lo, min(len(val.tokens), lo + sft.batch_size))
+                    vt, vm, vs = _batch(val, chunk)
+                    params = roles.params("actor", state["actor"])
+                    value, n = loss_fn(graphdef, params, vt, vm, vs)
+                    losses.append(float(value) * float(n))
+                    counts.append(float(n))
+                metrics["held_out_loss"] = sum(losses) / max(sum(counts), 1.0)
+            state["step"] = step + 1
+            log.write(metrics)
+            evaluate = bool(due and cfg.eval_episodes)
+            if evaluate or (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+                checkpoints.save(step + 1, state)
+                log.flush()
+            if evaluate:  # after the step is saved: a failure here loses no training
+                checkpoints.wait()
+                run = partial(held_out, step + 1)
+                evaluate_after_save(run, step=step + 1, run_dir=run_dir, log=log)
+    except EvaluationFailed as e:
+        print(f"stopped: {e}; continue with python -m train.sft --resume --run-dir {run_dir}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    finally:
+        checkpoints.wait()
+        log.close()
     return 0
 
 

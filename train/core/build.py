@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from train.core.config import TrainConfig, read_run_config
+from train.model.lora import is_peft_folder, peft_settings
 from train.model.qwen3 import ModelConfig, Qwen3ForCausalLM, Qwen3ValueModel
 
 __all__ = [
@@ -42,6 +43,9 @@ __all__ = [
     "needs_reference",
     "run_config",
     "restore_model",
+    "lora_config",
+    "trainable_like",
+    "check_base",
 ]
 
 
@@ -50,7 +54,8 @@ class ModelSource:
     """Where a run's initial policy comes from.
 
     ``kind``: ``"hf"`` (a Hugging Face folder at ``path``), ``"run"`` (the latest actor of the run
-    directory ``path``, whose own configuration is ``run``) or ``"random"`` (a tiny model).
+    directory ``path``, whose own configuration is ``run``), ``"peft"`` (a PEFT LoRA folder at
+    ``path`` on the base ``base``) or ``"random"`` (a tiny model).
     ``folder`` is the Hugging Face folder behind it (its tokenizer), if any.
     """
 
@@ -58,6 +63,7 @@ class ModelSource:
     path: str | None = None
     folder: str | None = None
     run: TrainConfig | None = None
+    base: ModelSource | None = None  # "peft": the adapters' base model (--model-path)
 
 
 def _is_hf_folder(path: Path) -> bool:
@@ -70,6 +76,18 @@ def model_source(cfg: TrainConfig) -> ModelSource:
     Hugging Face folder nor a run directory is refused, naming the flag."""
     if cfg.init_from:
         path = Path(cfg.init_from)
+        if is_peft_folder(path):  # adapters: their base is --model-path
+            if not cfg.model_path:
+                raise ValueError(f"init_from: {path} is a PEFT adapter folder; name its base "
+                                 "with --model-path")  # fmt: skip
+            if not cfg.lora_rank:
+                rank = peft_settings(path)[0]
+                raise ValueError(
+                    f"init_from: {path} holds LoRA adapters of rank {rank}; pass --lora-rank "
+                    f"{rank} (and the folder's --lora-targets)"
+                )
+            base = model_source(dataclasses.replace(cfg, init_from=None))
+            return ModelSource("peft", str(path), base.folder, base=base)
         if _is_hf_folder(path):
             return ModelSource("hf", str(path), str(path))
         if (path / "config.json").exists() and (path / "checkpoints").is_dir():
@@ -83,9 +101,17 @@ def model_source(cfg: TrainConfig) -> ModelSource:
     if cfg.model_path:
         path = Path(cfg.model_path)
         if not (path / "config.json").exists():
-            raise ValueError(f"model_path: {path} has no config.json")
+            what = "does not exist" if not path.exists() else "has no config.json"
+            hint = ""
+            if path.name == SMOLLM2_FOLDER:
+                hint = "; `make smollm2` converts SmolLM2-135M-Instruct into it (the README's)"
+            raise ValueError(f"model_path: {path} {what}{hint}")
         return ModelSource("hf", str(path), str(path))
     return ModelSource("random")
+
+
+# the folder `make smollm2` writes (the README's real model), named in a refusal that meets it
+SMOLLM2_FOLDER = "smollm2-135m-instruct"
 
 
 def compute_dtype(name: str) -> str:
@@ -130,6 +156,8 @@ def model_config(cfg: TrainConfig, codec, source: ModelSource | None = None) -> 
         param_dtype=jnp.dtype(cfg.param_dtype),
         remat=cfg.remat,
     )
+    if source.kind == "peft":
+        source = source.base
     if source.kind == "run":
         base = model_config(source.run, codec)
         return dataclasses.replace(base, **precision)
@@ -161,6 +189,8 @@ def initial_actor(
 ) -> Qwen3ForCausalLM:
     """The run's initial policy, read from its source (placed with ``shardings`` as read)."""
     source = model_source(cfg)
+    if source.kind == "peft":  # the base; the trainer puts the folder's adapters on it
+        source = source.base
     if source.kind == "hf":
         from train.model.weights import load_pretrained
 
@@ -198,10 +228,58 @@ def restore_model(run_dir: str | Path, mc: ModelConfig, *, step=None, part: str 
     if step is not None and step not in steps:
         raise ValueError(f"--step: {run_dir} has checkpoints at steps {steps}, not {step}")
     cls = Qwen3ValueModel if part == "critic" else Qwen3ForCausalLM
+    run = run_config(run_dir)
+    if run.lora_rank:  # the run's base, re-read, with the checkpoint's adapters merged in
+        return _restore_adapted(run, checkpoints, mc, step, cls)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: cls(mc, rngs=nnx.Rngs(0))))
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
     params = checkpoints.restore({part: like}, step)[part]
     return nnx.merge(graphdef, params)
+
+
+def lora_config(cfg: TrainConfig, mc: ModelConfig) -> ModelConfig:
+    """``mc`` with ``cfg``'s adapters (``--lora-targets`` checked against the model's
+    projections: :func:`train.model.lora.check_targets`)."""
+    from train.model.lora import check_targets
+
+    targets = check_targets(cfg.lora_target_names(), mc)
+    return dataclasses.replace(
+        mc, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_targets=targets
+    )
+
+
+def trainable_like(cls, mc: ModelConfig) -> nnx.State:
+    """The abstract trainable state (adapters, a critic's value head) of ``cls(mc)``."""
+    from train.model.lora import TRAINABLE
+
+    abstract = nnx.state(nnx.eval_shape(lambda: cls(mc, rngs=nnx.Rngs(0))), TRAINABLE)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract)
+
+
+def check_base(recorded: dict | None, path: str | None, base_hash: str, *, where: str) -> None:
+    """Refuses (``ValueError``) a LoRA checkpoint whose recorded base differs from the one read
+    now, naming both."""
+    if recorded and recorded.get("fingerprint") not in (None, base_hash):
+        raise ValueError(
+            f"{where}: its adapters were trained on the base {recorded.get('path')} (fingerprint "
+            f"{recorded['fingerprint']}); the base read now, {path}, has fingerprint {base_hash}"
+        )
+
+
+def _restore_adapted(run: TrainConfig, checkpoints, mc: ModelConfig, step, cls) -> nnx.Module:
+    from train.model.lora import fingerprint, lora_scale, merge_weights
+
+    base_actor = initial_actor(run, mc)
+    plain_def, base = nnx.split(base_actor)
+    part = "critic" if cls is Qwen3ValueModel else "actor"
+    lmc = lora_config(run, mc)
+    restored = checkpoints.restore({part: trainable_like(cls, lmc), "base": None}, step)
+    check_base(restored["base"], model_source(run).path, fingerprint(base), where="checkpoint")
+    if part == "critic":
+        plain_def = nnx.graphdef(nnx.eval_shape(lambda: cls(mc, rngs=nnx.Rngs(0))))
+        base = nnx.State({"model": base["model"]})
+    merged = merge_weights(base, restored[part], lora_scale(lmc.lora_rank, lmc.lora_alpha))
+    return nnx.merge(plain_def, merged)
 
 
 def initial_critic(cfg: TrainConfig, actor: Qwen3ForCausalLM) -> Qwen3ValueModel:

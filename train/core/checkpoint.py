@@ -3,8 +3,10 @@
 A checkpoint holds the parts a run cannot rebuild: ``actor`` and, where the preset has a critic,
 ``critic`` (parameters), their optimizer states (``actor_opt``, ``critic_opt``), ``step`` (the
 data position is a function of the step) and, for asynchronous runs, what the rollout worker needs
-to resume. The reference model is not written: it is the initial weights, re-read from where the
-run started (the model path, ``--init-from``, or the seed of a random model).
+to resume. A LoRA run's ``actor`` and ``critic`` are its adapters (and the critic's value head)
+alone, and ``base`` names the frozen base they belong to (its path and fingerprint). The
+reference model (and a LoRA run's base) is not written: it is the initial weights, re-read from
+where the run started (the model path, ``--init-from``, or the seed of a random model).
 
 Each part is an orbax item of its own, so a reader restores only what it needs
 (``train.export`` and ``train.evaluate`` read ``actor`` alone, without building optimizer
@@ -20,7 +22,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpoints"]
+__all__ = ["Checkpoints", "JSON_PARTS"]
+
+# parts saved as JSON: the step, and for a LoRA run the base it belongs to (path, fingerprint)
+JSON_PARTS = ("step", "base")
 
 
 class Checkpoints:
@@ -40,7 +45,9 @@ class Checkpoints:
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Saves every part of ``state`` (a dict of pytrees; ``step`` an int)."""
         items = {
-            name: ocp.args.JsonSave(int(value)) if name == "step" else ocp.args.StandardSave(value)
+            name: ocp.args.JsonSave(int(value) if name == "step" else value)
+            if name in JSON_PARTS
+            else ocp.args.StandardSave(value)
             for name, value in state.items()
         }
         self.manager.save(step, args=ocp.args.Composite(**items))
@@ -53,7 +60,7 @@ class Checkpoints:
             raise FileNotFoundError(f"{self.manager.directory}: no checkpoint to restore")
         items = {}
         for name, value in like.items():
-            if name == "step":
+            if name in JSON_PARTS:
                 items[name] = ocp.args.JsonRestore()
             else:
                 abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, value)

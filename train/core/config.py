@@ -26,6 +26,7 @@ from typing import Any
 from envs.chat import TOOL_FALLBACKS
 from train.engine.rollouts import EngineSettings
 from train.engine.servers import BACKENDS
+from train.model.lora import LORA_TARGETS
 
 __all__ = [
     "TrainConfig",
@@ -87,6 +88,10 @@ class TrainConfig:
     opt_dtype: str = "float32"
     remat: str = "none"
     device_memory: float = 0.0
+    # LoRA (train/model/lora.py): 0 = full fine-tuning
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: str = "all"
     # Parallelism
     mesh: str = ""
     # Rollouts
@@ -210,6 +215,7 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        self._check_lora()
         if self.eval_split not in ("train", "test", "all"):
             raise ValueError(
                 f"eval_split: must be 'train', 'test' or 'all', got {self.eval_split!r}"
@@ -237,6 +243,42 @@ class TrainConfig:
         shape = self.mesh_shape()
         if shape is not None and shape[0] != -1:
             check_mesh_fit(self, shape[0] * shape[1])
+
+    def lora_target_names(self) -> tuple[str, ...]:
+        """The projection names ``--lora-targets`` stands for (``all``, ``attention``, ``mlp``
+        or a comma-separated list of :data:`~train.model.lora.LORA_TARGETS`)."""
+        groups = {"all": LORA_TARGETS, "attention": LORA_TARGETS[:4], "mlp": LORA_TARGETS[4:]}
+        if self.lora_targets in groups:
+            return groups[self.lora_targets]
+        return tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+
+    def _check_lora(self) -> None:
+        """A LoRA flag without a rank, a negative rank, an unknown projection name, or LoRA
+        with a separately initialised critic: refused, naming the flag and the rule."""
+        if self.lora_rank < 0:
+            raise ValueError(
+                f"lora_rank: must be >= 1 for LoRA or 0 for none, got {self.lora_rank}"
+            )
+        if not self.lora_rank:
+            for name, default in (("lora_alpha", 0.0), ("lora_targets", "all")):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name}: a LoRA setting, but --lora-rank is 0 (full "
+                                     "fine-tuning); pass --lora-rank R > 0")  # fmt: skip
+            return
+        if self.lora_alpha < 0:
+            raise ValueError(
+                f"lora_alpha: must be > 0 (or 0 for alpha = rank), got {self.lora_alpha}"
+            )
+        names = self.lora_target_names()
+        wrong = [n for n in names if n not in LORA_TARGETS]
+        if wrong or not names:
+            raise ValueError(f"lora_targets: {wrong or 'none given'} not among all, attention, "
+                             f"mlp or {list(LORA_TARGETS)}")  # fmt: skip
+        if self.critic_from:
+            raise ValueError(
+                "critic_from: with --lora-rank the critic is the actor's frozen base plus its "
+                "own adapters; a separate critic trunk is full fine-tuning"
+            )
 
     def _check_rollout_backend(self) -> None:
         backends = ("jax", *BACKENDS)
@@ -327,6 +369,12 @@ HELP: dict[str, str] = {
     "compute_dtype": "activations, matmul inputs and the sampler's KV cache: float32, bfloat16, "
     "or auto (bfloat16 on GPU/TPU, float32 on CPU)",
     "opt_dtype": f"optimizer moments dtype, one of {DTYPES}",
+    "lora_rank": "LoRA adapters of this rank on one frozen base for the actor, the critic (plus "
+    "its value head, trained in full) and the reference (the base, adapters off); 0: full "
+    "fine-tuning",
+    "lora_alpha": "LoRA's alpha: the adapters' output is scaled by alpha / rank (0: alpha = rank)",
+    "lora_targets": f"the projections LoRA adapts: all, attention, mlp, or names among "
+    f"{','.join(LORA_TARGETS)} (MoE experts and router are never adapted)",
     "remat": f"what each decoder layer keeps for the backward pass, one of {REMAT} (full: its "
     "input only; dots: matmul outputs)",
     "device_memory": "bytes a device holds, for the start-up memory plan (python -m train.plan): "

@@ -2,7 +2,9 @@
 jitted actor and critic updates.
 
 Everything here is a pure function of parameter pytrees and arrays; models enter as nnx graphdefs
-(``nnx.split``) so that ``jax.jit`` sees plain pytrees. The trunk reads whole token rows
+(``nnx.split``) so that ``jax.jit`` sees plain pytrees. Parameters are an nnx.State or, for a
+LoRA run, :class:`~train.model.lora.Adapted` (a frozen base and the adapters): the gradient
+functions then differentiate the adapters alone. The trunk reads whole token rows
 ``tokens`` [B, T]; everything a loss reads is computed at the action tokens alone, compacted to
 [B, A] by :class:`ActionRows` (``positions[b, a]`` is the a-th action token of row b): the
 151,936-way softmax of the LM head runs on the tokens the policy sampled, not on prompts,
@@ -22,13 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx, struct
+from flax import struct
 from jax.sharding import NamedSharding
 
 from kernels.logprobs import logprobs_and_entropy
 from mpo_jax import losses
 from mpo_jax.algorithms import Algorithm
 from mpo_jax.batch import FIELD_FILL, TurnBatch, padded_length
+from train.model.lora import Adapted, bind
 
 __all__ = [
     "Models",
@@ -167,7 +170,7 @@ def _before(hidden, positions):
 def token_logprobs(graphdef, params, tokens, positions, *, temperature: float = 1.0):
     """(logp, entropy) [B, A] float32 of ``tokens[b, positions[b, a]]`` under the actor at
     ``temperature``, given the tokens before it."""
-    model = nnx.merge(graphdef, params)
+    model = bind(graphdef, params)
     hidden = model.model(tokens)
     weight, axis = model.lm_head()
     targets = jnp.take_along_axis(tokens, positions, axis=1)
@@ -178,7 +181,7 @@ def token_logprobs(graphdef, params, tokens, positions, *, temperature: float = 
 
 def token_values(graphdef, params, tokens, positions):
     """[B, A] values of the state before each position's token."""
-    model = nnx.merge(graphdef, params)
+    model = bind(graphdef, params)
     hidden = model.model(tokens)
     return model.value_head(_before(hidden, positions).astype(jnp.float32))[..., 0]
 
@@ -187,7 +190,7 @@ def values_and_bootstrap(graphdef, params, tokens, positions, lengths):
     """(values [B, A], bootstrap [B]): the values of :func:`token_values` and, per row, the value
     of the conversation ``tokens[b, :lengths[b]]`` (the state after its last token), which is
     the bootstrap value of a truncated episode; it exists even for a row filling all T columns."""
-    model = nnx.merge(graphdef, params)
+    model = bind(graphdef, params)
     hidden = model.model(tokens).astype(jnp.float32)
     values = model.value_head(_before(hidden, positions))[..., 0]
     last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)
@@ -211,7 +214,7 @@ def answer_logprobs(graphdef, params, tokens, prefix_lengths, answer, answer_len
     seq = jnp.concatenate([tokens, jnp.zeros((n, a), tokens.dtype)], axis=1)
     cols = jnp.arange(a)[None] + prefix_lengths[:, None]
     seq = jax.vmap(lambda s, c, x: s.at[c].set(x))(seq, cols, answer)
-    model = nnx.merge(graphdef, params)
+    model = bind(graphdef, params)
     positions = jnp.broadcast_to(jnp.arange(t + a, dtype=jnp.int32), (n, t + a))
     valid = positions < (prefix_lengths + answer_len)[:, None]
     hidden = model.model(seq, positions, valid)
@@ -220,6 +223,20 @@ def answer_logprobs(graphdef, params, tokens, prefix_lengths, answer, answer_len
     logp, _ = logprobs_and_entropy(prev, weight, answer, vocab_axis=axis)
     present = jnp.arange(a)[None] < answer_len[:, None]
     return jnp.sum(jnp.where(present, logp, 0), axis=1) / jnp.maximum(answer_len, 1)
+
+
+def _trainable_grad(loss_fn):
+    """``value_and_grad`` of ``loss_fn(params, ...)`` with respect to what trains: the whole
+    state, or for :class:`~train.model.lora.Adapted` parameters the adapters alone (the frozen
+    base gets no gradient, so none is computed or held)."""
+
+    def fn(params, *args):
+        if isinstance(params, Adapted):
+            on_adapters = lambda adapters: loss_fn(params.replace(adapters=adapters), *args)  # noqa: E731
+            return jax.value_and_grad(on_adapters, has_aux=True)(params.adapters)
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, *args)
+
+    return fn
 
 
 def _cast(tree, dtype):
@@ -250,8 +267,8 @@ class UpdateFns:
         self.actor_tx, self.critic_tx = actor_tx, critic_tx
         self.temperature = temperature
         self.opt_dtype = jnp.dtype(opt_dtype)
-        self.actor_grad = jax.jit(jax.value_and_grad(self._actor_loss, has_aux=True))
-        self.critic_grad = jax.jit(jax.value_and_grad(self._critic_loss, has_aux=True))
+        self.actor_grad = jax.jit(_trainable_grad(self._actor_loss))
+        self.critic_grad = jax.jit(_trainable_grad(self._critic_loss))
         # parameters and optimizer state are donated: the update writes in place
         self.apply = jax.jit(self._apply, static_argnums=(0,), donate_argnums=(1, 2))
         # micro-batch gradients summed into the accumulator in place (an eager tree.map would

@@ -41,16 +41,47 @@ class MetricsLog:
     def __init__(self, run_dir: Path, *, start_step: int, progress: bool, total: int):
         self.path = Path(run_dir) / "metrics.jsonl"
         kept = [m for m in read_metrics(run_dir) if m.get("step", 0) <= start_step]
-        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept[:-1]))
         self.file = open(self.path, "a")  # noqa: SIM115 (closed in close())
+        self._last: tuple[int, dict[str, Any]] | None = None
+        if kept:  # the last kept line through write's bookkeeping: amend() can reach it
+            self.file.flush()
+            self._last = (self.file.tell(), kept[-1])
+            self.file.write(json.dumps(kept[-1]) + "\n")
+            self.file.flush()
         self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
         self.bar = tqdm(total=total, initial=start_step, disable=not progress, dynamic_ncols=True)
 
     def write(self, metrics: dict[str, Any]) -> None:
+        """Appends one step's line (flushed: a crash after it keeps the step)."""
+        self.file.flush()
+        self._last = (self.file.tell(), dict(metrics))
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
-        step = metrics["step"]
-        for key, value in metrics.items():
+        self._show(metrics, metrics)
+        self.bar.update(1)
+
+    def amend(self, extra: dict[str, Any]) -> None:
+        """Adds ``extra`` (a held-out evaluation run after the step was written) to the last
+        step's line, so that the file still holds one line per step."""
+        if self._last is None:
+            raise ValueError("amend: no step was written by this log")
+        offset, metrics = self._last
+        metrics.update(extra)
+        self.file.truncate(offset)
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        self._last = (offset, metrics)
+        self._show({"step": metrics["step"], **extra}, metrics)
+
+    def last(self) -> dict[str, Any] | None:
+        """The file's last line (on resume: the checkpoint's step), or None."""
+        return self._last[1] if self._last else None
+
+    def _show(self, new: dict[str, Any], metrics: dict[str, Any]) -> None:
+        """``new``'s scalars to TensorBoard; the bar's figures from ``metrics``."""
+        step = new["step"]
+        for key, value in new.items():
             if key != "step" and isinstance(value, int | float):
                 self.tb.add_scalar(key, value, step)
         shown = {}
@@ -62,7 +93,6 @@ class MetricsLog:
             if key.startswith("eval_") and key.endswith("_success_rate"):
                 shown[key[5:-13]] = f"{metrics[key]:.2f}"
         self.bar.set_postfix(shown)
-        self.bar.update(1)
 
     def flush(self) -> None:
         self.file.flush()

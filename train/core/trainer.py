@@ -7,7 +7,7 @@ The loop is :meth:`Trainer.step`, one call into a module with one job per phase:
     credit   = compute_advantages(algo, batch)   mpo_jax/algorithms.py
     metrics  = update(batch, credit)             train/core/learner.py: epochs x minibatches x
                                                  micro-batches
-    log, evaluate, checkpoint                    train/core/metrics.py, train/core/checkpoint.py
+    log, checkpoint, then evaluate               train/run.py (a failing evaluation loses nothing)
 
 Held-out evaluation runs on the environment's ``--eval-split`` (default ``test``: tasks training
 never draws); environments with small task spaces are also evaluated on fresh episodes of the
@@ -31,15 +31,15 @@ import envs
 from envs.rollout import EPISODE_FIGURES
 from mpo_jax import algorithms, diagnostics, losses
 from mpo_jax.batch import TurnBatch, num_turns, validate
-from train.core.build import compute_dtype as resolve_compute_dtype
 from train.core.build import (
+    check_base,
     initial_actor,
-    initial_critic,
     model_config,
     model_source,
     needs_reference,
     run_codec,
 )
+from train.core.build import compute_dtype as resolve_compute_dtype
 from train.core.config import (
     TrainConfig,
     check_mesh_fit,
@@ -61,6 +61,8 @@ from train.core.episodes import (
 from train.core.evaluation import evaluate_set
 from train.core.learner import Models, UpdateFns, loss_fields, make_optimizer, split_micro
 from train.core.metrics import PhaseTimer
+from train.core.preflight import check_split_draws
+from train.core.roles import build_roles
 from train.core.scoring import Scorer
 from train.engine.remote import collect_remote
 from train.engine.rollouts import play
@@ -86,6 +88,26 @@ class StartupError(ValueError):
     """A configuration refused before anything is written (the message names the flag)."""
 
 
+def check_resumed_base(cfg: TrainConfig, base: dict) -> None:
+    """A resumed LoRA run's adapters belong to the base its checkpoint names: refused
+    (:class:`StartupError`, naming both) when the base read now differs."""
+    from pathlib import Path
+
+    from train.core.checkpoint import Checkpoints
+
+    folder = Path(cfg.run_dir) / "checkpoints"
+    if not cfg.resume or not folder.is_dir():
+        return
+    checkpoints = Checkpoints(folder, create=False)
+    if checkpoints.latest() is None:
+        return
+    recorded = checkpoints.restore({"base": None})["base"]
+    try:
+        check_base(recorded, base["path"], base["fingerprint"], where="--resume")
+    except ValueError as e:
+        raise StartupError(str(e)) from e
+
+
 def _say(message: str) -> None:
     if jax.process_index() == 0:
         print(message, file=sys.stderr)
@@ -108,6 +130,8 @@ class Trainer:
         self.eval_options = {**cfg.env_set, "split": cfg.eval_split, **cfg.eval_env_set}
         probe = envs.make(cfg.env, seed=0, **self.env_options)
         eval_probe = envs.make(cfg.env, seed=0, **self.eval_options)  # fails now, not later
+        if cfg.eval_every:  # a held-out task drawn now, not after the first steps' work
+            check_split_draws(cfg.env, self.eval_options, flag="--eval-split")
         if self.algo.needs_reference_answers and not probe.gold_answers:
             raise StartupError(
                 f"preset: {cfg.preset} scores the reference model's belief in each task's gold "
@@ -149,19 +173,25 @@ class Trainer:
             _say(f"defaults for a pretrained model: {chosen} (pass a flag to change one)")
 
         actor = self._actor()
-        actor_def, actor_params = nnx.split(actor)
-        self.state: dict = {"actor": actor_params, "step": 0}
+        self.roles = build_roles(
+            cfg,
+            actor,
+            needs_critic=self.algo.needs_critic,
+            needs_reference=needs_reference(cfg, self.algo),
+            place=self._place,
+        )
+        if self.roles.lora:
+            check_resumed_base(cfg, self.roles.base)
+        self.state: dict = {**self.roles.trainable, "step": 0}
+        if self.roles.lora:
+            self.state["base"] = self.roles.base  # a checkpoint names its base
         opt = dict(
             warmup_steps=cfg.warmup_steps,
             updates_per_step=cfg.epochs * cfg.minibatches,
             clip=cfg.grad_clip,
             weight_decay=cfg.weight_decay,
         )
-        critic_def = None
-        if self.algo.needs_critic:
-            critic_def, critic_params = nnx.split(initial_critic(cfg, actor))
-            self.state["critic"] = self._place(critic_params)
-        self.models = Models(actor_def, critic_def)
+        self.models = Models(self.roles.actor_def, self.roles.critic_def)
         self.fns = UpdateFns(
             self.models,
             self.algo,
@@ -174,10 +204,8 @@ class Trainer:
         for which in ("actor", "critic"):
             if which in self.state:
                 self.state[f"{which}_opt"] = self.fns.init(which, self.state[which])
-        # The reference model is the initial weights, kept only where something reads it.
-        self.ref = None
-        if needs_reference(cfg, self.algo):
-            self.ref = jax.tree.map(jnp.copy, actor_params)
+        # The reference model is the initial weights (LoRA: the base), where something reads it.
+        self.ref = self.roles.ref_params
         self.batch_size = cfg.prompts_per_step * cfg.group_size
         self.push = self._servers() if cfg.rollout_backend != "jax" else None
         # One sampler for training and evaluation: its cache lives only during a rollout.
@@ -226,7 +254,7 @@ class Trainer:
             )
         servers = connect(cfg.rollout_backend, cfg.rollout_urls(), timeout=cfg.rollout_timeout)
         root = cfg.rollout_weights_dir or f"{cfg.run_dir}/rollout-weights"
-        return WeightPush(servers, self.models.actor, root, dtype=cfg.rollout_weights_dtype)
+        return WeightPush(servers, self.roles.sample_def, root, dtype=cfg.rollout_weights_dtype)
 
     def _on_mesh(self, *, sampling: bool = False):
         """The mesh as JAX's current mesh during device work (the model then keeps activation
@@ -247,7 +275,8 @@ class Trainer:
 
     def step(self, step: int, rollouts=None) -> dict[str, float]:
         """One RL step: rollout (or the ``rollouts`` an asynchronous worker made), scoring,
-        credit, update (then evaluation when due)."""
+        credit, update. Evaluation is not part of it: :meth:`evaluate` runs when
+        :meth:`evaluation_due`, after the step's metrics and checkpoint are written."""
         timer = PhaseTimer()
         with timer("rollout"):
             rollouts = self.rollout(step) if rollouts is None else rollouts
@@ -270,16 +299,20 @@ class Trainer:
             **update,
             **timer.metrics(tokens),
         }
-        due = self.cfg.eval_every and (step + 1) % self.cfg.eval_every == 0
-        if due or (self.cfg.eval_every and step + 1 == self.cfg.steps):
-            metrics.update(self.evaluate(step + 1))
         return metrics
 
+    def evaluation_due(self, steps_done: int) -> bool:
+        """Whether held-out evaluation runs after ``steps_done`` steps: every ``--eval-every``
+        steps and after the last one. The caller runs it once the step is saved (train/run.py)."""
+        every = self.cfg.eval_every
+        return bool(every) and (steps_done % every == 0 or steps_done == self.cfg.steps)
+
     def _local_params(self):
-        """The actor's parameters on this process's devices, for its sampler."""
+        """The weights the actor samples with (LoRA: merged), on this process's devices."""
+        weights = self.roles.sampling(self.state["actor"])
         if not is_multiprocess():
-            return self.state["actor"]
-        return jax.tree.map(lambda x: jnp.asarray(to_host(x)), self.state["actor"])
+            return weights
+        return jax.tree.map(lambda x: jnp.asarray(to_host(x)), weights)
 
     def _put(self, x):
         """A host array (the same on every process) as a jit input: rows split over the data
@@ -352,18 +385,21 @@ class Trainer:
         reference)."""
         b, scorer, actor = rollouts.batch, self.scorer, self.models.actor
         groups, shape = scorer.groups(b), b.tokens.shape
-        fields = {"old_logp": scorer.logprobs(actor, self.state["actor"], groups, shape)}
+        roles = self.roles
+        actor_params = roles.params("actor", self.state["actor"])
+        fields = {"old_logp": scorer.logprobs(actor, actor_params, groups, shape)}
         gap = np.where(b.loss_mask, b.sampler_logp - fields["old_logp"], 0)
         scored = {"sampler_logp_gap": float(np.abs(gap).max(initial=0))}
         if self.algo.needs_critic:
             # the bootstrap state: the conversation up to and including its last action token
+            critic_params = roles.params("critic", self.state["critic"])
             values, boot = scorer.values(
-                self.models.critic, self.state["critic"], groups, b.row_lengths(), shape
+                self.models.critic, critic_params, groups, b.row_lengths(), shape
             )
             fields["values"] = values
             fields["bootstrap_values"] = np.where(b.truncated, boot, 0).astype(np.float32)
         if self.ref is not None and (self.algo.kl_coef or self.cfg.log_ref_kl):
-            fields["ref_logp"] = scorer.logprobs(actor, self.ref, groups, shape)
+            fields["ref_logp"] = scorer.logprobs(roles.ref_def, self.ref, groups, shape)
             kl = losses.kl_penalty(fields["old_logp"], fields["ref_logp"], b.loss_mask, kind="k3")
             scored["ref_kl"] = float(np.sum(kl) / max(int(b.loss_mask.sum()), 1))
         if self.algo.needs_reference_answers:
@@ -412,7 +448,7 @@ class Trainer:
             answers[n, : len(ids)] = ids
             alen[n] = len(ids)
         scores = self.scorer.answers(
-            self.models.actor,
+            self.roles.ref_def,
             self.ref,
             b.tokens[rows],
             rollouts.boundary_lengths[rows, cols],
@@ -504,7 +540,8 @@ class Trainer:
                 n_turns = float(num_turns(micro.loss_mask, micro.turn_ids).sum())
                 if self.micro_sharding is not None:
                     micro = put_global(micro, self.micro_sharding)
-                (micro_loss, m), g = grad_fn(self.state[which], micro, *extra)
+                params = self.roles.params(which, self.state[which])
+                (micro_loss, m), g = grad_fn(params, micro, *extra)
                 grads = g if grads is None else self.fns.accumulate(grads, g)
                 del g  # not held through the next micro-step or the update (the plan counts one)
                 loss = loss + micro_loss
@@ -545,7 +582,7 @@ class Trainer:
         self.device = lock = FairLock()
         self.sampler.device = self.scorer.device = lock
         worker_sampler = Sampler(
-            nnx.merge(self.models.actor, self.state["actor"]),
+            nnx.merge(self.roles.sample_def, self._local_params()),
             capacity=self.cfg.max_len,
             mesh=None if is_multiprocess() else self.mesh,
             device=lock,
@@ -599,7 +636,10 @@ class Trainer:
             worker.stop()
 
     def _published(self):
-        """A copy of the actor's weights for the worker (the update donates its own)."""
+        """A copy of the actor's weights for the worker (the update donates its own; LoRA's
+        merged weights are the worker's already)."""
+        if self.roles.lora:
+            return self._local_params()
         return jax.tree.map(jnp.copy, self._local_params())
 
     def evaluate(self, step: int) -> dict[str, float]:

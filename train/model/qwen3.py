@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels.attention import attention
+from train.model.lora import LORA_TARGETS, AdaptedLinear, lora_scale
 
 __all__ = [
     "ModelConfig",
@@ -89,6 +90,10 @@ class ModelConfig:
     moe_matmul: str = "ragged"
     # False: one DecoderStack a layer instead of one a run of layers (see unstacked)
     stack_layers: bool = True
+    # LoRA (train/model/lora.py): rank 0 is no adapter; alpha 0 means alpha = rank (scale 1)
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
 
     def is_moe_layer(self, layer: int) -> bool:
         return (
@@ -212,10 +217,9 @@ def _init(names: tuple[str | None, ...], base=_LECUN):
     return nnx.with_partitioning(base, names, eager_sharding=False)
 
 
-def _linear(cfg: ModelConfig, d_in, d_out, names, *, bias=False, rngs) -> nnx.Linear:
-    return nnx.Linear(
-        d_in,
-        d_out,
+def _linear(cfg: ModelConfig, d_in, d_out, names, *, bias=False, rngs, name=None) -> nnx.Linear:
+    """A projection; the one named ``name`` carries a LoRA adapter when ``cfg`` targets it."""
+    kwargs = dict(
         use_bias=bias,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
@@ -223,6 +227,10 @@ def _linear(cfg: ModelConfig, d_in, d_out, names, *, bias=False, rngs) -> nnx.Li
         bias_init=_init((names[-1],), nnx.initializers.zeros_init()),
         rngs=rngs,
     )
+    if cfg.lora_rank and name in cfg.lora_targets:
+        scale = lora_scale(cfg.lora_rank, cfg.lora_alpha)
+        return AdaptedLinear(d_in, d_out, rank=cfg.lora_rank, scale=scale, names=names, **kwargs)
+    return nnx.Linear(d_in, d_out, **kwargs)
 
 
 class RMSNorm(nnx.Module):
@@ -311,17 +319,19 @@ class Attention(nnx.Module):
         self.cfg = cfg
         d, hd = cfg.hidden_size, cfg.head_dim
         qkv_bias = cfg.qkv_bias or cfg.attention_bias
+        kv, heads = cfg.num_kv_heads * hd, cfg.num_heads * hd
         self.q_proj = _linear(
-            cfg, d, cfg.num_heads * hd, ("embed", "heads"), bias=qkv_bias, rngs=rngs
+            cfg, d, heads, ("embed", "heads"), bias=qkv_bias, rngs=rngs, name="q_proj"
         )
         self.k_proj = _linear(
-            cfg, d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=qkv_bias, rngs=rngs
+            cfg, d, kv, ("embed", "kv_heads"), bias=qkv_bias, rngs=rngs, name="k_proj"
         )
         self.v_proj = _linear(
-            cfg, d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=qkv_bias, rngs=rngs
+            cfg, d, kv, ("embed", "kv_heads"), bias=qkv_bias, rngs=rngs, name="v_proj"
         )
+        o_bias = cfg.attention_bias
         self.o_proj = _linear(
-            cfg, cfg.num_heads * hd, d, ("heads", "embed"), bias=cfg.attention_bias, rngs=rngs
+            cfg, heads, d, ("heads", "embed"), bias=o_bias, rngs=rngs, name="o_proj"
         )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg, names=(None,))
@@ -357,9 +367,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _linear(cfg, d, f, ("embed", "mlp"), rngs=rngs)
-        self.up_proj = _linear(cfg, d, f, ("embed", "mlp"), rngs=rngs)
-        self.down_proj = _linear(cfg, f, d, ("mlp", "embed"), rngs=rngs)
+        self.gate_proj = _linear(cfg, d, f, ("embed", "mlp"), rngs=rngs, name="gate_proj")
+        self.up_proj = _linear(cfg, d, f, ("embed", "mlp"), rngs=rngs, name="up_proj")
+        self.down_proj = _linear(cfg, f, d, ("mlp", "embed"), rngs=rngs, name="down_proj")
 
     def __call__(self, x):
         # On rows flattened to [B·T, D]: for [B, T, D] inputs XLA's CPU backend wrote the gate's

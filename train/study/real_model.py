@@ -48,7 +48,14 @@ from typing import Any
 import numpy as np
 
 from train.core.metrics import read_metrics
-from train.study.round1 import HELDOUT, child_env, compile_cache, finished_record, launch
+from train.study.round1 import (
+    HELDOUT,
+    check_held_out,
+    child_env,
+    compile_cache,
+    finished_record,
+    launch,
+)
 from train.study.stats import bootstrap_ci, mean_band, normalised_auc
 
 __all__ = ["RUN_FLAGS", "Cell", "cells", "wilson", "run_figures", "summarise", "main"]
@@ -566,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (Path(args.model_path) / "config.json").exists():
             raise SystemExit(f"--model-path: no converted model at {args.model_path}; run "
                              "`make smollm2` first")  # fmt: skip
+        check_held_out(games(), flag="study")
         todo = cells()
         for n, cell in enumerate(todo, 1):
             if (

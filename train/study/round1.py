@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from train.core.metrics import read_metrics
+from train.core.preflight import check_split_draws
 from train.study.stats import bootstrap_ci, mean_band, normalised_auc, steps_to_threshold
 
 __all__ = [
@@ -447,6 +448,16 @@ def plot(results: dict[str, Any], out_dir: Path, panels=ROUND1_PANELS) -> list[P
     return paths
 
 
+def check_held_out(names, *, flag: str) -> None:
+    """Each environment of a study draws a held-out task before the study's first run
+    (:func:`train.core.preflight.check_split_draws`); ``SystemExit`` naming ``flag`` if not."""
+    for name in names:
+        try:
+            check_split_draws(name, {"split": "test"}, flag="--eval-split")
+        except ValueError as e:
+            raise SystemExit(f"{flag}: {e}") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.study.round1", description=__doc__.split("\n")[0]
@@ -485,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = grid(env_names, variants, seeds)
     started = time.perf_counter()
     if not args.report_only:
+        check_held_out(env_names, flag="--envs")
         threads = args.threads if args.jobs > 1 else 0
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
             futures = {pool.submit(run_cell, c, root, size_name, threads=threads): c for c in cells}

@@ -47,6 +47,7 @@ from train.core.metrics import read_metrics
 from train.study.round1 import (
     _ci,
     _flags,
+    check_held_out,
     compile_cache,
     finished_record,
     launch,
@@ -493,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = grid(envs, regimes, variants, seeds)
     started = time.perf_counter()
     if not args.report_only:
+        check_held_out(envs, flag="--envs")
         threads = args.threads if args.jobs > 1 else 0
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
             starts = pool.map(lambda e: warm_start(e, root, size, threads=threads), envs)
