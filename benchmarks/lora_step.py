@@ -6,11 +6,14 @@
 Each (preset, full or LoRA) pair is ``python -m train.run`` in a process of its own, on
 GuessTheNumber with the real-model study's settings (16 episodes a step: 4 tasks x 4 rollouts,
 ``--max-len 1024 --max-new-tokens 48 --micro-batch-tokens 4096 --minibatches 1``, no
-evaluation), the same seed, so both draw the same games. LoRA: rank ``--rank``, alpha 2 x rank,
-every projection. The table gives the mean over the steps after the first (which compiles) of
-each phase's seconds from ``metrics.jsonl``, and the process's peak resident memory (its
-``ru_maxrss``), then LoRA's ratio to full fine-tuning. Runs take turns full, LoRA, full, LoRA...
-so a load drifting on the machine reaches both alike.
+evaluation), the same seed, so both draw the same games, and ``--lr 0``: both policies stay the
+base (LoRA's merged kernels are then the base's, bit for bit), so both sample the same episodes
+and every phase does the same work on both sides (an update's cost does not depend on its
+learning rate; the optimizer step still runs). Tokens a step are printed to show it. LoRA: rank
+``--rank``, alpha 2 x rank, every projection. The table gives the mean over the steps after the
+first (which compiles) of each phase's seconds from ``metrics.jsonl``, and the process's peak
+resident memory (its ``ru_maxrss``), then LoRA's ratio to full fine-tuning. Runs take turns
+full, LoRA, full, LoRA... so a load drifting on the machine reaches both alike.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "scoring", "credit", "update")
 STUDY = [
-    "--env", "guess-the-number", "--lr", "3e-5", "--warmup-steps", "2", "--prompts-per-step",
+    "--env", "guess-the-number", "--lr", "0", "--warmup-steps", "2", "--prompts-per-step",
     "4", "--group-size", "4", "--max-len", "1024", "--max-new-tokens", "48",
     "--micro-batch-tokens", "4096", "--minibatches", "1", "--eval-every", "0", "--no-progress",
     "--checkpoint-every", "1000",
@@ -61,6 +64,7 @@ def one_run(model: str, preset: str, rank: int, steps: int) -> dict:
         out["step"] = sum(out[p] for p in PHASES)
         out["peak_gib"] = int(peak.read_text()) / 2**20
         out["success"] = statistics.mean(r["success_rate"] for r in rows)
+        out["tokens"] = [r["tokens"] for r in rows]
         return out
 
 
@@ -82,17 +86,18 @@ def main() -> None:
         f"\n{args.model_path}, GuessTheNumber, 16 episodes a step, mean of steps 2-{args.steps}, "
         f"LoRA rank {args.rank} (alpha {2 * args.rank}, every projection), CPU"
     )
-    print("| preset | weights | rollout s | scoring s | update s | step s | peak GiB |")
-    print("|---|---|---|---|---|---|---|")
+    columns = ("tokens a step", "rollout s", "scoring s", "update s", "step s", "peak GiB")
+    print(f"| preset | weights | {' | '.join(columns)} |")
+    print("|---|---|---|---|---|---|---|---|")
     for preset in args.presets.split(","):
         full, lo = results[preset, 0], results[preset, args.rank]
         for name, r in (("full", full), (f"LoRA r{args.rank}", lo)):
             print(
-                f"| {preset} | {name} | {r['rollout']:.1f} | {r['scoring']:.1f} | "
-                f"{r['update']:.1f} | {r['step']:.1f} | {r['peak_gib']:.2f} |"
+                f"| {preset} | {name} | {'/'.join(map(str, r['tokens']))} | {r['rollout']:.1f} | "
+                f"{r['scoring']:.1f} | {r['update']:.1f} | {r['step']:.1f} | {r['peak_gib']:.2f} |"
             )
         print(
-            f"| {preset} | LoRA / full | {lo['rollout'] / full['rollout']:.2f}x | "
+            f"| {preset} | LoRA / full | | {lo['rollout'] / full['rollout']:.2f}x | "
             f"{lo['scoring'] / full['scoring']:.2f}x | {lo['update'] / full['update']:.2f}x | "
             f"{lo['step'] / full['step']:.2f}x | {lo['peak_gib'] / full['peak_gib']:.2f}x |"
         )

@@ -84,10 +84,9 @@ def time_ours(model, ids, ref, reps, lora_rank=0):
     for loss in (loss_full, loss_chunked):
         step = jax.jit(jax.value_and_grad(loss))
         times.append(timed(lambda step=step: jax.block_until_ready(step(params, ids)), reps))
-    times += time_updates(model, ids, reps)
-    if lora_rank:
-        times += time_updates(model, ids, reps, lora_rank=lora_rank)
-    return times
+    # LoRA first: the full updates donate the model's own arrays, which LoRA reads as its base
+    adapted = time_updates(model, ids, reps, lora_rank=lora_rank) if lora_rank else []
+    return times + time_updates(model, ids, reps) + adapted
 
 
 def time_updates(model, ids, reps, *, lora_rank: int = 0):
@@ -236,7 +235,10 @@ def main() -> None:
         results = {}
         for side in ("torch", "ours"):
             cmd = [sys.executable, __file__, *sys.argv[1:], "--side", side, "--checkpoint", tmp]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode:
+                raise SystemExit(f"the {side} side failed:\n{proc.stderr[-3000:]}")
+            out = proc.stdout
             results[side] = json.loads(out.strip().splitlines()[-1])
     t_fwd, t_fb, t_fb_chunked, t_actor, t_critic, *lora_ours = results["ours"]["times"]
     t_tfwd, t_tfb, *lora_torch = results["torch"]["times"]
