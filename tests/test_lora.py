@@ -251,6 +251,8 @@ def test_export_adapters_then_evaluate_and_init_from_the_peft_folder(tmp_path, c
     assert "--lora-targets" in capsys.readouterr().err and not (tmp_path / "y").exists()
     assert export.main(["--run-dir", str(tmp_path / "again"), "--out", str(tmp_path / "z"),
                         "--adapters", "--dtype", "bfloat16"]) == 2  # fmt: skip
+    assert evaluate.main(["--run-dir", str(run_dir), "--adapter", str(out)]) == 2
+    assert "--adapter: puts a PEFT folder on the --model-path base" in capsys.readouterr().err
 
 
 # -- refusals at start-up, naming the flag and the rule, with nothing written --------------------

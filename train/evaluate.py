@@ -119,6 +119,9 @@ def _config(args) -> tuple[TrainConfig, int]:
 
 
 def evaluate(args) -> tuple[dict, list[dict], Path]:
+    if args.adapter and args.run_dir:
+        raise ValueError("--adapter: puts a PEFT folder on the --model-path base; a run's "
+                         "checkpoint holds its own adapters already")  # fmt: skip
     cfg, step = _config(args)
     cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype(cfg.compute_dtype))
     options = {**cfg.env_set, "split": args.split}
@@ -147,9 +150,6 @@ def evaluate(args) -> tuple[dict, list[dict], Path]:
     out = output_folder(args, cfg, step)
     model = restore_model(args.run_dir, mc, step=step) if args.run_dir else initial_actor(cfg, mc)
     if args.adapter:
-        if args.run_dir:
-            raise ValueError("--adapter: puts a PEFT folder on the --model-path base; a run's "
-                             "checkpoint holds its own adapters already")  # fmt: skip
         model = with_adapter(model, args.adapter)
     say(f"evaluating {args.episodes} tasks x {args.k} samples of {task_name(cfg)} ({args.split}) "
         f"into {out}")  # fmt: skip
