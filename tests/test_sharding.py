@@ -25,7 +25,7 @@ def test_sharded_update_equals_single_device_update():
         [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    assert "MAX_DIFF" in out.stdout and "TRAINER_OK" in out.stdout
+    assert "MAX_DIFF" in out.stdout and "TRAINER_OK" in out.stdout and "LORA_OK" in out.stdout
 
 
 def test_rules_map_logical_names_to_mesh_axes():
