@@ -155,7 +155,7 @@ def test_resume_on_another_base_is_refused_naming_both(tmp_path, capsys):
     assert [r["step"] for r in read_metrics(out)] == [1]
 
 
-def test_a_lora_sft_run_trains_the_adapters_and_evaluates(tmp_path):
+def test_a_lora_sft_run_trains_the_adapters_and_evaluates(tmp_path, capsys):
     argv = ["--env", "synthetic-calls", "--layers", "1", "--width", "32", "--heads", "2",
             "--kv-heads", "1", "--steps", "2", "--demos", "16", "--val-demos", "8",
             "--eval-episodes", "2", "--eval-every", "2", "--lora-rank", "2",
@@ -164,6 +164,14 @@ def test_a_lora_sft_run_trains_the_adapters_and_evaluates(tmp_path):
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and "eval_heldout_success_rate" in rows[-1]
     assert rows[0]["grad_norm"] > 0
+    # resumed on another base: refused at start-up, naming both fingerprints
+    meta = tmp_path / "checkpoints" / "2" / "base" / "metadata"
+    recorded = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**recorded, "fingerprint": "0123456789abcdef"}))
+    assert sft.main(["--resume", "--run-dir", str(tmp_path), "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "0123456789abcdef" in err and recorded["fingerprint"] in err
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
 
 # -- PEFT's folder: our export loads in peft with our logits; it comes back in -----------------

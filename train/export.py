@@ -98,10 +98,8 @@ def export(
 def export_adapters(run_dir: Path, out: Path, *, step: int | None = None) -> Path:
     """Writes a LoRA run's actor adapters at ``step`` as a PEFT folder (refuses a run without
     LoRA, and a non-empty ``out``)."""
-    from flax import nnx
-
-    from train.core.build import check_base, initial_actor, lora_config, trainable_like
-    from train.model.lora import fingerprint, save_peft
+    from train.core.build import restore_adapters
+    from train.model.lora import save_peft
     from train.model.qwen3 import Qwen3ForCausalLM
 
     out = Path(out)
@@ -112,16 +110,9 @@ def export_adapters(run_dir: Path, out: Path, *, step: int | None = None) -> Pat
         raise ValueError(f"--adapters: {run_dir} trained the full model (no --lora-rank); "
                          "export it without --adapters")  # fmt: skip
     codec = run_codec(cfg, envs.make(cfg.env, seed=0, **{"split": "train", **cfg.env_set}))
-    mc = model_config(cfg, codec)
-    base = nnx.state(initial_actor(cfg, mc))
-    base_hash = fingerprint(base)
-    lmc = lora_config(cfg, mc)
     checkpoints = Checkpoints(Path(run_dir) / "checkpoints", create=False)
-    like = {"actor": trainable_like(Qwen3ForCausalLM, lmc), "base": None}
-    restored = checkpoints.restore(like, step)
-    path = model_source(cfg).path
-    check_base(restored["base"], path, base_hash, where="checkpoint")
-    save_peft(out, restored["actor"], lmc, base_path=path, base_hash=base_hash)
+    r = restore_adapters(cfg, checkpoints, model_config(cfg, codec), step, Qwen3ForCausalLM)
+    save_peft(out, r.trainable, r.mc, base_path=r.path, base_hash=r.fingerprint)
     return out
 
 

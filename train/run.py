@@ -24,7 +24,7 @@ from train.core.config import RESUMABLE, TrainConfig, parse_args, read_run_confi
 from train.core.config import save_config as write_config
 from train.core.distributed import initialize_from_env
 from train.core.evaluation import EvaluationFailed, evaluate_after_save, evaluation_pending
-from train.core.metrics import MetricsLog, read_metrics
+from train.core.metrics import MetricsLog
 from train.core.trainer import Trainer
 from train.engine.servers import ServerError
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if checkpoints.latest() is not None:
         trainer.state = checkpoints.restore(trainer.state)
     start = int(trainer.state["step"])
-    pending = evaluation_pending(saved_line(run_dir, start), trainer.evaluation_due(start))
+    pending = evaluation_pending(run_dir, start, trainer.evaluation_due(start))
     log = None
     if lead:
         log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
@@ -160,12 +160,6 @@ def main(argv: list[str] | None = None) -> int:
         if log is not None:
             log.close()
     return 0
-
-
-def saved_line(run_dir: Path, step: int) -> dict | None:
-    """The metrics.jsonl line of ``step`` (a resumed run's checkpoint), or None."""
-    rows = [m for m in read_metrics(run_dir) if m.get("step") == step]
-    return rows[-1] if rows and step > 0 else None
 
 
 def with_step_rate(results):

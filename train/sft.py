@@ -49,7 +49,7 @@ from envs.rollout import collect
 from envs.scripted import ScriptedPolicy, oracle_act
 from kernels.logprobs import logprobs_and_entropy
 from mpo_jax.batch import padded_length
-from train.core.build import check_base, compute_dtype, initial_actor, model_config, run_codec
+from train.core.build import compute_dtype, initial_actor, model_config, run_codec
 from train.core.checkpoint import Checkpoints
 from train.core.config import HELP, TrainConfig, read_run_config
 from train.core.episodes import EVAL_STREAM, fit_tasks, length_budget, sampling_key
@@ -57,12 +57,13 @@ from train.core.evaluation import (
     EvaluationFailed,
     evaluate_after_save,
     evaluate_set,
+    evaluation_due,
     evaluation_pending,
 )
 from train.core.learner import make_optimizer
-from train.core.metrics import MetricsLog, read_metrics
+from train.core.metrics import MetricsLog
 from train.core.preflight import check_split_draws
-from train.core.roles import build_roles
+from train.core.roles import build_roles, check_resumed_base
 from train.engine.sampler import Sampler
 from train.model.lora import bind
 
@@ -419,6 +420,8 @@ def _setup(cfg: TrainConfig, sft: SFTConfig) -> dict[str, Any]:
         out["train"] = pack(out["train"], cfg.max_len)
     actor = initial_actor(cfg, mc)
     roles = build_roles(cfg, actor, needs_critic=False, needs_reference=False, place=lambda x: x)
+    if cfg.resume:  # refused here, before anything is written, not after the first batch
+        check_resumed_base(roles, Path(cfg.run_dir) / "checkpoints")
     out["roles"], out["graphdef"], out["params"] = roles, roles.actor_def, roles.trainable["actor"]
     out["tx"] = make_optimizer(
         cfg.lr, warmup_steps=cfg.warmup_steps, clip=cfg.grad_clip, weight_decay=cfg.weight_decay
@@ -436,9 +439,6 @@ def _train(cfg: TrainConfig, sft: SFTConfig, s: dict, run_dir: Path) -> int:
     if roles.lora:
         state["base"] = roles.base  # a checkpoint names its base
     if checkpoints.latest() is not None:
-        if roles.lora:
-            recorded = checkpoints.restore({"base": None})["base"]
-            check_base(recorded, roles.base["path"], roles.base["fingerprint"], where="--resume")
         state = checkpoints.restore(state)
     start = int(state["step"])
     loss_fn = jax.jit(_loss, static_argnums=0)
@@ -477,12 +477,11 @@ def _train(cfg: TrainConfig, sft: SFTConfig, s: dict, run_dir: Path) -> int:
         )
         return figures
 
-    every = cfg.eval_every
-    due_at_start = bool(every and cfg.eval_episodes) and (start % every == 0 or start == cfg.steps)
-    saved = [m for m in read_metrics(run_dir) if m.get("step") == start and start > 0]
+    due_at_start = evaluation_due(start, cfg.eval_every, cfg.steps) and cfg.eval_episodes > 0
+    pending = evaluation_pending(run_dir, start, due_at_start)
     log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
     try:
-        if evaluation_pending(saved[-1] if saved else None, due_at_start):
+        if pending:
             evaluate_after_save(partial(held_out, start), step=start, run_dir=run_dir, log=log)
         for step in range(start, cfg.steps):
             rows = np.random.default_rng([cfg.seed, step]).choice(
@@ -500,7 +499,7 @@ def _train(cfg: TrainConfig, sft: SFTConfig, s: dict, run_dir: Path) -> int:
             }
             if step == start and s["demo_success"] is not None:
                 metrics["demo_success_rate"] = s["demo_success"]
-            due = cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps)
+            due = evaluation_due(step + 1, cfg.eval_every, cfg.steps)
             if due and val is not None:
                 losses, counts = [], []
                 for lo in range(0, len(val.tokens), sft.batch_size):

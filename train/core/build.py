@@ -46,6 +46,7 @@ __all__ = [
     "lora_config",
     "trainable_like",
     "check_base",
+    "restore_adapters",
 ]
 
 
@@ -266,19 +267,44 @@ def check_base(recorded: dict | None, path: str | None, base_hash: str, *, where
         )
 
 
-def _restore_adapted(run: TrainConfig, checkpoints, mc: ModelConfig, step, cls) -> nnx.Module:
-    from train.model.lora import fingerprint, lora_scale, merge_weights
+@dataclasses.dataclass(frozen=True)
+class RestoredAdapters:
+    """A LoRA run's checkpointed ``trainable`` state (adapters; a critic's value head too) with
+    the ``base`` it belongs to, re-read from the run's source and checked against the base the
+    checkpoint names (``path``, ``fingerprint``); ``mc`` the adapted model's config."""
 
-    base_actor = initial_actor(run, mc)
-    plain_def, base = nnx.split(base_actor)
+    base_def: Any
+    base: nnx.State
+    trainable: nnx.State
+    mc: ModelConfig
+    path: str | None
+    fingerprint: str
+
+
+def restore_adapters(run: TrainConfig, checkpoints, mc: ModelConfig, step, cls):
+    """The :class:`RestoredAdapters` of ``cls`` (the actor or the critic) at ``step``; raises
+    ``ValueError`` naming both fingerprints when the base read now is not the checkpoint's."""
+    from train.model.lora import fingerprint
+
+    base_def, base = nnx.split(initial_actor(run, mc))
     part = "critic" if cls is Qwen3ValueModel else "actor"
     lmc = lora_config(run, mc)
     restored = checkpoints.restore({part: trainable_like(cls, lmc), "base": None}, step)
-    check_base(restored["base"], model_source(run).path, fingerprint(base), where="checkpoint")
-    if part == "critic":
+    path, base_hash = model_source(run).path, fingerprint(base)
+    check_base(restored["base"], path, base_hash, where="checkpoint")
+    return RestoredAdapters(base_def, base, restored[part], lmc, path, base_hash)
+
+
+def _restore_adapted(run: TrainConfig, checkpoints, mc: ModelConfig, step, cls) -> nnx.Module:
+    """The run's ``cls`` at ``step`` as a plain model: its adapters merged into the base."""
+    from train.model.lora import lora_scale, merge_weights
+
+    r = restore_adapters(run, checkpoints, mc, step, cls)
+    plain_def, base = r.base_def, r.base
+    if cls is Qwen3ValueModel:
         plain_def = nnx.graphdef(nnx.eval_shape(lambda: cls(mc, rngs=nnx.Rngs(0))))
         base = nnx.State({"model": base["model"]})
-    merged = merge_weights(base, restored[part], lora_scale(lmc.lora_rank, lmc.lora_alpha))
+    merged = merge_weights(base, r.trainable, lora_scale(r.mc.lora_rank, r.mc.lora_alpha))
     return nnx.merge(plain_def, merged)
 
 

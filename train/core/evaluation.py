@@ -22,10 +22,16 @@ from tqdm import tqdm
 from envs.rollout import EPISODE_FIGURES
 from train.core.distributed import gather_array
 from train.core.episodes import EVAL_TASK_OFFSET, make_episodes
-from train.core.metrics import pass_at_k
+from train.core.metrics import pass_at_k, read_metrics
 from train.engine.rollouts import EngineSettings, play
 
-__all__ = ["evaluate_set", "evaluate_after_save", "evaluation_pending", "EvaluationFailed"]
+__all__ = [
+    "evaluate_set",
+    "evaluate_after_save",
+    "evaluation_due",
+    "evaluation_pending",
+    "EvaluationFailed",
+]
 
 
 def evaluate_set(
@@ -157,7 +163,17 @@ def evaluate_after_save(
     return figures
 
 
-def evaluation_pending(last: dict | None, due: bool) -> bool:
-    """Whether a resumed run's last saved step still lacks the evaluation it was due (its
-    evaluation failed, or the run was killed during it)."""
-    return bool(last) and due and not any(k.startswith("eval_") for k in last)
+def evaluation_due(steps_done: int, every: int, steps: int) -> bool:
+    """Whether held-out evaluation runs after ``steps_done`` steps: every ``every`` steps
+    (0: never) and after the last of ``steps``."""
+    return bool(every) and (steps_done % every == 0 or steps_done == steps)
+
+
+def evaluation_pending(run_dir: str | Path, steps_done: int, due: bool) -> bool:
+    """Whether a resumed run's saved step ``steps_done`` still lacks the evaluation it was due
+    (its evaluation failed, or the run was killed during it): its ``metrics.jsonl`` line has no
+    ``eval_`` figure. Read from the file, so every process of a run reads the same answer."""
+    if not due or steps_done <= 0:
+        return False
+    lines = [m for m in read_metrics(run_dir) if m.get("step") == steps_done]
+    return bool(lines) and not any(k.startswith("eval_") for k in lines[-1])

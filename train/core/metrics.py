@@ -45,21 +45,22 @@ class MetricsLog:
         self.file = open(self.path, "a")  # noqa: SIM115 (closed in close())
         self._last: tuple[int, dict[str, Any]] | None = None
         if kept:  # the last kept line through write's bookkeeping: amend() can reach it
-            self.file.flush()
-            self._last = (self.file.tell(), kept[-1])
-            self.file.write(json.dumps(kept[-1]) + "\n")
-            self.file.flush()
+            self._append(kept[-1])
         self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
         self.bar = tqdm(total=total, initial=start_step, disable=not progress, dynamic_ncols=True)
 
     def write(self, metrics: dict[str, Any]) -> None:
         """Appends one step's line (flushed: a crash after it keeps the step)."""
+        self._append(metrics)
+        self._show(metrics, metrics)
+        self.bar.update(1)
+
+    def _append(self, metrics: dict[str, Any]) -> None:
+        """Appends ``metrics`` as a line, remembering where it starts (for :meth:`amend`)."""
         self.file.flush()
         self._last = (self.file.tell(), dict(metrics))
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
-        self._show(metrics, metrics)
-        self.bar.update(1)
 
     def amend(self, extra: dict[str, Any]) -> None:
         """Adds ``extra`` (a held-out evaluation run after the step was written) to the last

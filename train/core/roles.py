@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -28,11 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from train.core.build import (
+    check_base,
     initial_critic,
     lora_config,
     model_source,
     trainable_like,
 )
+from train.core.checkpoint import Checkpoints
 from train.core.config import TrainConfig
 from train.model.lora import (
     Adapted,
@@ -44,7 +47,7 @@ from train.model.lora import (
 )
 from train.model.qwen3 import Qwen3ForCausalLM, Qwen3ValueModel
 
-__all__ = ["Roles", "build_roles"]
+__all__ = ["Roles", "build_roles", "check_resumed_base"]
 
 
 @dataclasses.dataclass
@@ -137,3 +140,16 @@ def build_roles(
         base={"path": str(path or f"random model, seed {cfg.seed}"), "fingerprint": base_hash},
         scale=lora_scale(mc.lora_rank, mc.lora_alpha),
     )
+
+
+def check_resumed_base(roles: Roles, checkpoint_dir) -> None:
+    """A resumed LoRA run's adapters belong to the base its latest checkpoint in
+    ``checkpoint_dir`` names: ``ValueError``, naming both fingerprints, when the base read now
+    differs (nothing to check without LoRA or without a checkpoint)."""
+    if not roles.lora or not Path(checkpoint_dir).is_dir():
+        return
+    checkpoints = Checkpoints(checkpoint_dir, create=False)
+    if checkpoints.latest() is None:
+        return
+    recorded = checkpoints.restore({"base": None})["base"]
+    check_base(recorded, roles.base["path"], roles.base["fingerprint"], where="--resume")

@@ -31,15 +31,14 @@ import envs
 from envs.rollout import EPISODE_FIGURES
 from mpo_jax import algorithms, diagnostics, losses
 from mpo_jax.batch import TurnBatch, num_turns, validate
+from train.core.build import compute_dtype as resolve_compute_dtype
 from train.core.build import (
-    check_base,
     initial_actor,
     model_config,
     model_source,
     needs_reference,
     run_codec,
 )
-from train.core.build import compute_dtype as resolve_compute_dtype
 from train.core.config import (
     TrainConfig,
     check_mesh_fit,
@@ -58,11 +57,11 @@ from train.core.episodes import (
     make_episodes,
     sampling_key,
 )
-from train.core.evaluation import evaluate_set
+from train.core.evaluation import evaluate_set, evaluation_due
 from train.core.learner import Models, UpdateFns, loss_fields, make_optimizer, split_micro
 from train.core.metrics import PhaseTimer
 from train.core.preflight import check_split_draws
-from train.core.roles import build_roles
+from train.core.roles import build_roles, check_resumed_base
 from train.core.scoring import Scorer
 from train.engine.remote import collect_remote
 from train.engine.rollouts import play
@@ -86,26 +85,6 @@ CREDIT_PROBES = ("ppo", "turn_ppo", "mpo", "grpo", "rloo")
 
 class StartupError(ValueError):
     """A configuration refused before anything is written (the message names the flag)."""
-
-
-def check_resumed_base(cfg: TrainConfig, base: dict) -> None:
-    """A resumed LoRA run's adapters belong to the base its checkpoint names: refused
-    (:class:`StartupError`, naming both) when the base read now differs."""
-    from pathlib import Path
-
-    from train.core.checkpoint import Checkpoints
-
-    folder = Path(cfg.run_dir) / "checkpoints"
-    if not cfg.resume or not folder.is_dir():
-        return
-    checkpoints = Checkpoints(folder, create=False)
-    if checkpoints.latest() is None:
-        return
-    recorded = checkpoints.restore({"base": None})["base"]
-    try:
-        check_base(recorded, base["path"], base["fingerprint"], where="--resume")
-    except ValueError as e:
-        raise StartupError(str(e)) from e
 
 
 def _say(message: str) -> None:
@@ -180,8 +159,11 @@ class Trainer:
             needs_reference=needs_reference(cfg, self.algo),
             place=self._place,
         )
-        if self.roles.lora:
-            check_resumed_base(cfg, self.roles.base)
+        if cfg.resume:
+            try:
+                check_resumed_base(self.roles, f"{cfg.run_dir}/checkpoints")
+            except ValueError as e:
+                raise StartupError(str(e)) from e
         self.state: dict = {**self.roles.trainable, "step": 0}
         if self.roles.lora:
             self.state["base"] = self.roles.base  # a checkpoint names its base
@@ -304,8 +286,7 @@ class Trainer:
     def evaluation_due(self, steps_done: int) -> bool:
         """Whether held-out evaluation runs after ``steps_done`` steps: every ``--eval-every``
         steps and after the last one. The caller runs it once the step is saved (train/run.py)."""
-        every = self.cfg.eval_every
-        return bool(every) and (steps_done % every == 0 or steps_done == self.cfg.steps)
+        return evaluation_due(steps_done, self.cfg.eval_every, self.cfg.steps)
 
     def _local_params(self):
         """The weights the actor samples with (LoRA: merged), on this process's devices."""

@@ -32,6 +32,7 @@ folder (``adapter_config.json``, ``adapter_model.safetensors``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -116,22 +117,32 @@ def bind(graphdef, params) -> nnx.Module:
     return nnx.merge(graphdef, params)
 
 
+def _projections(cfg) -> list[str]:
+    """The projection names of :data:`LORA_TARGETS` that ``cfg`` has in at least one layer (the
+    MLP's only where some layer is dense: MoE experts are not adapted)."""
+    dense = any(not cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
+    return [t for t in LORA_TARGETS if t in _ATTENTION or dense]
+
+
 def adapted_names(cfg) -> list[str]:
     """The module names the adapters of ``cfg`` sit on in at least one layer (an MLP name adapts
     nothing on a model whose every layer is MoE)."""
-    dense = any(not cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
-    return [t for t in cfg.lora_targets if t in _ATTENTION or dense]
+    present = _projections(cfg)
+    return [t for t in cfg.lora_targets if t in present]
 
 
 def check_targets(targets, cfg) -> tuple[str, ...]:
     """``targets`` as a tuple, refused (``ValueError`` naming ``--lora-targets`` and listing the
     model's projection names) when one is not a projection name or names no module of ``cfg``."""
     targets = tuple(targets)
-    dense = any(not cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
-    present = [t for t in LORA_TARGETS if t in _ATTENTION or dense]
+    present = _projections(cfg)
     wrong = [t for t in targets if t not in present]
     if wrong or not targets:
-        why = "" if dense else " (every layer of this model is MoE: experts are not adapted)"
+        why = (
+            ""
+            if len(present) > len(_ATTENTION)
+            else (" (every layer of this model is MoE: experts are not adapted)")
+        )
         raise ValueError(
             f"lora_targets: {wrong or 'none given'} names no module of the model; its "
             f"projection names are {present}{why}"
@@ -190,10 +201,16 @@ def fingerprint(state: nnx.State, samples: int = 4096) -> str:
     for path, var in sorted(nnx.to_flat_state(state), key=lambda kv: str(kv[0])):
         x = var.get_value()
         stride = max(1, int(np.prod(x.shape)) // samples)
-        sample = np.asarray(jax.device_get(jax.jit(lambda v, s=stride: v.reshape(-1)[::s])(x)))
+        sample = np.asarray(jax.device_get(_strided(x, stride)))
         digest.update(f"{'/'.join(map(str, path))}:{x.shape}:{x.dtype}".encode())
         digest.update(sample[:samples].tobytes())
     return digest.hexdigest()[:16]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _strided(x, stride: int):
+    """Every ``stride``-th value of ``x``, flattened (one program per shape and stride)."""
+    return x.reshape(-1)[::stride]
 
 
 # -- PEFT's adapter folder ------------------------------------------------------------------------
