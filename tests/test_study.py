@@ -325,7 +325,9 @@ def test_real_model_report_keeps_recorded_runs_and_the_study_skips_them(tmp_path
     (out / "results.json").write_text(json.dumps(recorded))
     ran, started = [], []
     monkeypatch.setattr(real_model, "evaluate_start", lambda g, *a: started.append(g))
-    monkeypatch.setattr(real_model, "run_cell", lambda c, *a: ran.append(c) or {"skipped": True})
+    monkeypatch.setattr(
+        real_model, "run_cell", lambda c, *a, **k: ran.append(c) or {"skipped": True}
+    )
     monkeypatch.setattr(real_model, "plot", lambda *a: [])
     argv = ["--runs", str(tmp_path / "fresh"), "--out", str(out), "--model-path", str(model)]
     assert real_model.main(argv) == 0
@@ -350,7 +352,7 @@ def test_real_model_a_run_after_another_game_starts_from_its_source(tmp_path, mo
     )
     launched, evaluated = [], []
 
-    def launch(module, args, run_dir, record, cache=None):
+    def launch(module, args, run_dir, record, cache=None, loggers=None):
         launched.append((run_dir, args))
         return {"skipped": False, "wall_s": 1.0}
 

@@ -25,6 +25,7 @@ from train.core.config import save_config as write_config
 from train.core.distributed import initialize_from_env
 from train.core.evaluation import EvaluationFailed, evaluate_after_save, evaluation_pending
 from train.core.metrics import MetricsLog
+from train.core.trackers import check_loggers
 from train.core.trainer import Trainer
 from train.engine.servers import ServerError
 
@@ -95,13 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     and metrics, and all of them write their checkpoint shards. Nothing is written before every
     check has passed."""
     initialize_from_env()
-    cfg = parse_args(argv)
+    try:
+        cfg = parse_args(argv)
+    except ValueError as e:  # a field's rule (TrainConfig names the field)
+        print(f"refused (nothing was written): {e}", file=sys.stderr)
+        return 2
     run_dir = Path(cfg.run_dir)
     refusal = _refusal(cfg, run_dir)
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
     try:
+        check_loggers(cfg.loggers)
         cfg = check_memory_plan(cfg)
         trainer = Trainer(cfg)
     except (ValueError, FileNotFoundError) as e:  # our start-up checks name the flag or file
@@ -119,7 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     pending = evaluation_pending(run_dir, start, trainer.evaluation_due(start))
     log = None
     if lead:
-        log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
+        log = MetricsLog(
+            run_dir,
+            start_step=start,
+            progress=cfg.progress,
+            total=cfg.steps,
+            loggers=cfg.loggers,
+            project=cfg.tracker_project,
+        )
     steps = range(start, cfg.steps)
     if cfg.max_staleness:  # rollouts from a worker running ahead (train/core/async_rollouts.py)
         results = trainer.run_async(steps)

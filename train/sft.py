@@ -64,6 +64,7 @@ from train.core.learner import make_optimizer
 from train.core.metrics import MetricsLog
 from train.core.preflight import check_split_draws
 from train.core.roles import build_roles, check_resumed_base
+from train.core.trackers import check_loggers
 from train.engine.sampler import Sampler
 from train.model.lora import bind
 
@@ -100,7 +101,7 @@ RUN_FIELDS = (
     "lora_rank", "lora_alpha", "lora_targets",
     "max_new_tokens", "temperature", "lr", "warmup_steps", "grad_clip", "weight_decay", "steps",
     "eval_every", "eval_split", "eval_episodes", "eval_k", "checkpoint_every", "keep_checkpoints",
-    "run_dir", "resume", "seed", "progress",
+    "run_dir", "resume", "seed", "progress", "loggers", "tracker_project",
 )  # fmt: skip
 SFT_DEFAULTS = {"steps": 200, "eval_every": 50, "checkpoint_every": 50}
 PRETRAINED_SFT_LR = 1e-5  # supervised fine-tuning of a pretrained model (RL's default is 1e-6)
@@ -336,7 +337,8 @@ def parse(argv) -> tuple[TrainConfig, SFTConfig]:
         stored = json.loads(path.read_text())
         sft = {**stored.pop("sft"), **{k: v for k, v in given.items() if k in SFT_HELP}}
         run = {**read_run_config(path), "resume": True}
-        keep = ("steps", "eval_every", "checkpoint_every", "progress", "run_dir")
+        keep = ("steps", "eval_every", "checkpoint_every", "progress", "run_dir", "loggers",
+                "tracker_project")  # fmt: skip
         run.update({k: v for k, v in given.items() if k in keep})
         return TrainConfig(**run), SFTConfig(**sft)
     sets = {}
@@ -356,12 +358,17 @@ def parse(argv) -> tuple[TrainConfig, SFTConfig]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg, sft = parse(argv)
+    try:
+        cfg, sft = parse(argv)
+    except ValueError as e:  # a field's rule (TrainConfig names the field)
+        print(f"refused (nothing was written): {e}", file=sys.stderr)
+        return 2
     run_dir = Path(cfg.run_dir)
     if not cfg.resume and (run_dir / "config.json").exists():
         print(f"{run_dir} holds a run; pass --resume or choose another --run-dir", file=sys.stderr)
         return 2
     try:
+        check_loggers(cfg.loggers)
         state = _setup(cfg, sft)
     except (ValueError, FileNotFoundError) as e:
         print(f"refused (nothing was written): {e}", file=sys.stderr)
@@ -479,7 +486,14 @@ def _train(cfg: TrainConfig, sft: SFTConfig, s: dict, run_dir: Path) -> int:
 
     due_at_start = evaluation_due(start, cfg.eval_every, cfg.steps) and cfg.eval_episodes > 0
     pending = evaluation_pending(run_dir, start, due_at_start)
-    log = MetricsLog(run_dir, start_step=start, progress=cfg.progress, total=cfg.steps)
+    log = MetricsLog(
+        run_dir,
+        start_step=start,
+        progress=cfg.progress,
+        total=cfg.steps,
+        loggers=cfg.loggers,
+        project=cfg.tracker_project,
+    )
     try:
         if pending:
             evaluate_after_save(partial(held_out, start), step=start, run_dir=run_dir, log=log)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.chat import TOOL_FALLBACKS
+from train.core.trackers import DEFAULT_LOGGERS, parse_loggers
 from train.engine.rollouts import EngineSettings
 from train.engine.servers import BACKENDS
 from train.model.lora import LORA_TARGETS
@@ -52,6 +53,8 @@ RESUMABLE = (
     "worker_timeout",
     "rollout_url",
     "rollout_timeout",
+    "loggers",
+    "tracker_project",
 )
 
 
@@ -148,6 +151,8 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     progress: bool = True
+    loggers: str = DEFAULT_LOGGERS
+    tracker_project: str = "mpo-jax"
     algo_set: dict[str, Any] = dataclasses.field(default_factory=dict)
     env_set: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -186,6 +191,7 @@ class TrainConfig:
         self.defaulted_fields = tuple(sorted(defaulted))
         for name, value in defaulted.items():
             setattr(self, name, value)
+        parse_loggers(self.loggers)  # names only: whether they are installed is checked at start
         for name, valid in (
             ("param_dtype", DTYPES),
             ("opt_dtype", DTYPES),
@@ -462,6 +468,9 @@ HELP: dict[str, str] = {
     "resume": "continue the run in --run-dir from its last checkpoint, with its config.json",
     "seed": "the run's seed (model init, tasks, sampling)",
     "progress": "show a progress bar (may change on --resume)",
+    "loggers": "where the figures go, comma-separated: jsonl (always written: the run's record), "
+    "tensorboard, wandb (offline without an API key), trackio (may change on --resume)",
+    "tracker_project": "the W&B or Trackio project of the run (may change on --resume)",
     "algo_set": "override settings of the preset, KEY=VALUE (beta=0.3; family.field: critic.lam=1)",
     "env_set": "environment options, KEY=VALUE (e.g. max_turns=8)",
 }

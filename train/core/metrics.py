@@ -1,6 +1,6 @@
-"""Run observability: ``metrics.jsonl`` (one JSON object per step), TensorBoard event files
-(tensorboardX) beside it, a progress bar with the live success rate, unbiased pass@k, and the
-phase timer of a step."""
+"""Run observability: ``metrics.jsonl`` (one JSON object per step), the trackers beside it
+(TensorBoard by default; W&B, Trackio: :mod:`train.core.trackers`), a progress bar with the live
+success rate, unbiased pass@k, and the phase timer of a step."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tensorboardX import SummaryWriter
 from tqdm import tqdm
+
+from train.core.trackers import DEFAULT_LOGGERS, open_trackers
 
 __all__ = ["MetricsLog", "PhaseTimer", "pass_at_k", "read_metrics"]
 
@@ -36,9 +37,21 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 class MetricsLog:
     """Appends to ``metrics.jsonl``; on resume, drops the lines of steps after the checkpoint
-    (they will be run again), so the file never holds a step twice."""
+    (they will be run again), so the file never holds a step twice. Each line's numbers also go
+    to the trackers ``loggers`` names (:func:`train.core.trackers.open_trackers`; ``config``:
+    the run's configuration they record, ``config.json``'s by default)."""
 
-    def __init__(self, run_dir: Path, *, start_step: int, progress: bool, total: int):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        start_step: int,
+        progress: bool,
+        total: int,
+        loggers: str = DEFAULT_LOGGERS,
+        config: dict[str, Any] | None = None,
+        project: str = "mpo-jax",
+    ):
         self.path = Path(run_dir) / "metrics.jsonl"
         kept = [m for m in read_metrics(run_dir) if m.get("step", 0) <= start_step]
         self.path.write_text("".join(json.dumps(m) + "\n" for m in kept[:-1]))
@@ -46,7 +59,9 @@ class MetricsLog:
         self._last: tuple[int, dict[str, Any]] | None = None
         if kept:  # the last kept line through write's bookkeeping: amend() can reach it
             self._append(kept[-1])
-        self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+        self.trackers = open_trackers(
+            loggers, Path(run_dir), start_step=start_step, config=config, project=project
+        )
         self.bar = tqdm(total=total, initial=start_step, disable=not progress, dynamic_ncols=True)
 
     def write(self, metrics: dict[str, Any]) -> None:
@@ -80,11 +95,8 @@ class MetricsLog:
         return self._last[1] if self._last else None
 
     def _show(self, new: dict[str, Any], metrics: dict[str, Any]) -> None:
-        """``new``'s scalars to TensorBoard; the bar's figures from ``metrics``."""
-        step = new["step"]
-        for key, value in new.items():
-            if key != "step" and isinstance(value, int | float):
-                self.tb.add_scalar(key, value, step)
+        """``new``'s numbers to the trackers; the bar's figures from ``metrics``."""
+        self.trackers.log(new["step"], new)
         shown = {}
         if "success_rate" in metrics:
             shown["success"] = f"{metrics['success_rate']:.2f}"
@@ -97,12 +109,12 @@ class MetricsLog:
 
     def flush(self) -> None:
         self.file.flush()
-        self.tb.flush()
+        self.trackers.flush()
 
     def close(self) -> None:
         self.bar.close()
         self.file.close()
-        self.tb.close()
+        self.trackers.close()
 
 
 class PhaseTimer:

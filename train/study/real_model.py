@@ -50,7 +50,9 @@ import numpy as np
 from train.core.metrics import read_metrics
 from train.study.round1 import (
     HELDOUT,
+    LOGGERS_HELP,
     check_held_out,
+    check_study_loggers,
     child_env,
     compile_cache,
     finished_record,
@@ -185,7 +187,7 @@ def _pooled(files: list[Path]) -> dict[str, Any] | None:
     }
 
 
-def run_cell(cell: Cell, root: Path, model: str) -> dict:
+def run_cell(cell: Cell, root: Path, model: str, *, loggers: str | None = None) -> dict:
     """``train.run`` of ``cell`` (skipped when done, resumed when killed). A cell with ``after``
     first needs its source's run directory: the source is run here when it is not (a source
     recorded in the report but run elsewhere is run again, and its new run directory then wins
@@ -194,14 +196,15 @@ def run_cell(cell: Cell, root: Path, model: str) -> dict:
     if source is None:
         origin = ["--model-path", model]
     else:
-        run_cell(source, root, model)
+        run_cell(source, root, model, loggers=loggers)
         evaluate_transfer_start(cell, root)
         origin = ["--init-from", str(source.run_dir(root))]
     args = [*origin, "--env", cell.game, "--preset", cell.preset, "--seed", str(cell.seed),
             *RUN_FLAGS]  # fmt: skip
     return launch(
-        "train.run", args, cell.run_dir(root), dataclasses.asdict(cell), cache=compile_cache(root)
-    )
+        "train.run", args, cell.run_dir(root), dataclasses.asdict(cell),
+        cache=compile_cache(root), loggers=loggers,
+    )  # fmt: skip
 
 
 def evaluate_transfer_start(cell: Cell, root: Path) -> None:
@@ -564,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--export-best", action="store_true", help="export the best run and check the export"
     )
+    parser.add_argument("--loggers", help=LOGGERS_HELP)
     args = parser.parse_args(argv)
     root, out = Path(args.runs), Path(args.out)
     recorded = (
@@ -574,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--model-path: no converted model at {args.model_path}; run "
                              "`make smollm2` first")  # fmt: skip
         check_held_out(games(), flag="study")
+        check_study_loggers(args.loggers)
         todo = cells()
         for n, cell in enumerate(todo, 1):
             if (
@@ -585,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
             if finished_record(cell.run_dir(root)) is None and recorded_figures(recorded, cell):
                 print(f"[{n}/{len(todo)}] {cell}: recorded in {out}/results.json", flush=True)
                 continue
-            record = run_cell(cell, root, args.model_path)
+            record = run_cell(cell, root, args.model_path, loggers=args.loggers)
             state = "skipped (done)" if record["skipped"] else f"{record['wall_s']:.0f} s"
             print(f"[{n}/{len(todo)}] {cell}: {state}", flush=True)
     results = summarise(root, args.model_path, recorded)

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 
 from train.core.metrics import read_metrics
 from train.core.preflight import check_split_draws
+from train.core.trackers import check_loggers
 from train.study.stats import bootstrap_ci, mean_band, normalised_auc, steps_to_threshold
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "thread_limited_env",
     "child_env",
     "compile_cache",
+    "check_study_loggers",
     "summarise",
     "refuse_smaller_report",
     "markdown",
@@ -159,7 +162,9 @@ def finished_record(run_dir: Path) -> dict | None:
     return json.loads(marker.read_text()) if marker.exists() else None
 
 
-def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
+def run_cell(
+    cell: Cell, root: Path, size: str, *, threads: int = 0, loggers: str | None = None
+) -> dict:
     """Runs (or resumes, or skips) one cell through ``python -m train.run`` at ``size``."""
     preset, overrides = VARIANTS[cell.variant]
     sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
@@ -169,7 +174,7 @@ def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
     ]  # fmt: skip
     return launch(
         "train.run", args, cell.run_dir(root), dataclasses.asdict(cell), threads=threads,
-        cache=compile_cache(root),
+        cache=compile_cache(root), loggers=loggers,
     )  # fmt: skip
 
 
@@ -208,13 +213,15 @@ def launch(
     *,
     threads: int = 0,
     cache: Path | None = None,
+    loggers: str | None = None,
 ) -> dict:
     """Runs ``python -m <module> <args> --run-dir <run_dir>`` unless it finished (a
     ``study.json`` beside it: skipped) or resumes it (``--resume``) if it was killed; writes
     ``study.json`` (the cell and the wall time) when it ends. ``threads``: XLA CPU threads.
     ``cache``: JAX's persistent compilation cache, shared by the study's runs (runs that differ
     only in seed compile the same programs: the second one reads them instead of compiling; a
-    ``JAX_COMPILATION_CACHE_DIR`` already set wins)."""
+    ``JAX_COMPILATION_CACHE_DIR`` already set wins). ``loggers``: the run's ``--loggers`` (a
+    resumed run takes it too: its trackers continue the same tracker runs)."""
     finished = finished_record(run_dir)
     if finished is not None:
         return {**finished, "skipped": True}
@@ -222,6 +229,8 @@ def launch(
         cmd = ["--resume", "--run-dir", str(run_dir)]
     else:
         cmd = [*args, "--run-dir", str(run_dir)]
+    if loggers:
+        cmd += ["--loggers", loggers]
     env = child_env(threads, cache)
     start = time.perf_counter()
     proc = subprocess.run(
@@ -458,6 +467,21 @@ def check_held_out(names, *, flag: str) -> None:
             raise SystemExit(f"{flag}: {e}") from e
 
 
+LOGGERS_HELP = (
+    "trackers of every run, train.run's --loggers (default jsonl,tensorboard; e.g. "
+    "jsonl,tensorboard,wandb)"
+)
+
+
+def check_study_loggers(loggers: str | None) -> None:
+    """The studies' ``--loggers`` refused before the first run (unknown or not installed)."""
+    if loggers:
+        try:
+            check_loggers(loggers)
+        except ValueError as e:
+            raise SystemExit(f"--{e}") from e
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.study.round1", description=__doc__.split("\n")[0]
@@ -479,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", help="where the runs go (default runs/study[-quick])")
     parser.add_argument("--out", help="where the report goes (default benchmarks/credit[/quick])")
     parser.add_argument("--report-only", action="store_true", help="aggregate existing runs only")
+    parser.add_argument("--loggers", help=LOGGERS_HELP)
     args = parser.parse_args(argv)
     size_name = args.size or ("quick" if args.quick else "full")
     env_names = args.envs.split(",") if args.envs else list(ENVS)
@@ -497,9 +522,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if not args.report_only:
         check_held_out(env_names, flag="--envs")
+        check_study_loggers(args.loggers)
         threads = args.threads if args.jobs > 1 else 0
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-            futures = {pool.submit(run_cell, c, root, size_name, threads=threads): c for c in cells}
+            run = partial(
+                run_cell, root=root, size=size_name, threads=threads, loggers=args.loggers
+            )
+            futures = {pool.submit(run, c): c for c in cells}
             for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
                 rec = fut.result()
                 state = "skipped (done)" if rec["skipped"] else f"{rec['wall_s']:.0f} s"

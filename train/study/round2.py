@@ -45,9 +45,11 @@ import numpy as np
 
 from train.core.metrics import read_metrics
 from train.study.round1 import (
+    LOGGERS_HELP,
     _ci,
     _flags,
     check_held_out,
+    check_study_loggers,
     compile_cache,
     finished_record,
     launch,
@@ -201,16 +203,20 @@ def _env_flags(size: str) -> list[str]:
     return ["--env-set", *_TINY_ENV["--env-set"]]
 
 
-def warm_start(env: str, root: Path, size: str, *, threads: int = 0) -> dict:
+def warm_start(
+    env: str, root: Path, size: str, *, threads: int = 0, loggers: str | None = None
+) -> dict:
     """The task's supervised warm start (skipped when it finished)."""
     table = SIZES[size]
     args = ["--env", env, *_flags(table["sft"]), *_flags(table.get("model", {})), *_env_flags(size)]
     args += ["--no-progress"]
     return launch("train.sft", args, Path(root) / env / "warmstart", {"env": env, "sft": True},
-                  threads=threads, cache=compile_cache(root))  # fmt: skip
+                  threads=threads, cache=compile_cache(root), loggers=loggers)  # fmt: skip
 
 
-def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
+def run_cell(
+    cell: Cell, root: Path, size: str, *, threads: int = 0, loggers: str | None = None
+) -> dict:
     """One RL run from the task's warm start, in the cell's regime."""
     preset, overrides = VARIANTS[cell.variant]
     sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
@@ -222,7 +228,7 @@ def run_cell(cell: Cell, root: Path, size: str, *, threads: int = 0) -> dict:
     ]  # fmt: skip
     return launch(
         "train.run", args, cell.run_dir(root), dataclasses.asdict(cell), threads=threads,
-        cache=compile_cache(root),
+        cache=compile_cache(root), loggers=loggers,
     )  # fmt: skip
 
 
@@ -471,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", help="where the runs go (default runs/study2[-quick])")
     parser.add_argument("--out", help="where the report goes (default benchmarks/credit/round2)")
     parser.add_argument("--report-only", action="store_true", help="aggregate existing runs only")
+    parser.add_argument("--loggers", help=LOGGERS_HELP)
     args = parser.parse_args(argv)
     size = args.size or ("quick" if args.quick else "full")
     envs = args.envs.split(",") if args.envs else list(ENVS[:1] if args.quick else ENVS)
@@ -495,13 +502,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     if not args.report_only:
         check_held_out(envs, flag="--envs")
+        check_study_loggers(args.loggers)
         threads = args.threads if args.jobs > 1 else 0
+        logged = {"threads": threads, "loggers": args.loggers}
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-            starts = pool.map(lambda e: warm_start(e, root, size, threads=threads), envs)
+            starts = pool.map(lambda e: warm_start(e, root, size, **logged), envs)
             for env, rec in zip(envs, starts, strict=True):
                 state = "skipped (done)" if rec["skipped"] else f"{rec['wall_s']:.0f} s"
                 print(f"warm start {env}: {state}", flush=True)
-            futures = {pool.submit(run_cell, c, root, size, threads=threads): c for c in cells}
+            futures = {pool.submit(run_cell, c, root, size, **logged): c for c in cells}
             for n, fut in enumerate(concurrent.futures.as_completed(futures), 1):
                 rec = fut.result()
                 state = "skipped (done)" if rec["skipped"] else f"{rec['wall_s']:.0f} s"
