@@ -17,9 +17,9 @@ one split, so held-out evaluation never sees a training task), ``task_id`` (the 
 task, hashable, after ``reset``), ``eval_fresh`` (whether fresh episodes of the training split are
 worth evaluating beside the held-out ones: small task spaces), ``max_episode_tokens(codec)`` (the
 longest episode in tokens, or None when unknown) and ``codec`` (the text <-> token codec the
-environment speaks: :class:`envs.rollout.Codec`; the chat environments speak Qwen3's format,
-:func:`envs.chat.qwen3_chat_format`), plus ``state_key`` (GiGPO's key of the current state) and
-``gold_answer`` (TRACE's gold answer) as attributes.
+environment speaks: [`envs.rollout.Codec`][envs.rollout.Codec]; the chat environments speak Qwen3's
+format, [`envs.chat.qwen3_chat_format`][envs.chat.qwen3_chat_format]), plus ``state_key`` (GiGPO's
+key of the current state) and ``gold_answer`` (TRACE's gold answer) as attributes.
 """
 
 from __future__ import annotations

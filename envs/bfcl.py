@@ -4,7 +4,7 @@ Data and backends come from the PyPI package ``bfcl-eval`` (installed ``--no-dep
 ``mpmath``): the tasks (``BFCL_v4_multi_turn_base.json``), the gold calls per user turn
 (``possible_answer/``), the function docs (``multi_turn_func_doc/``) and the backend classes
 (``GorillaFileSystem``, ``TradingBot``, ``TravelAPI``, ...). The package's own runner evaluates
-code strings with ``eval``; here the agent's calls go through :class:`envs.tools.ToolBox` (schema
+code strings with ``eval``; here the agent's calls go through `envs.tools.ToolBox` (schema
 checks, time limit) and the gold calls are parsed with ``ast``, never evaluated.
 
 An episode: the user's questions arrive one after another. The agent calls functions over as many
@@ -135,9 +135,9 @@ def load_tasks(split: str = "train") -> tuple[BFCLTask, ...]:
     """The multi-turn base tasks: ``all`` of them, or a fixed-seed 80/20 ``train``/``test`` split.
 
     A task whose gold calls break their own function docs is left out (its gold answer cannot be
-    produced through the schema-checked tools) and recorded in :data:`EXCLUDED`; in
-    bfcl-eval 2026.3.23 that is one task of 200 (``multi_turn_base_173``: a ticket id given as a
-    string where the doc says integer).
+    produced through the schema-checked tools) and recorded in `EXCLUDED`; in bfcl-eval 2026.3.23
+    that is one task of 200 (``multi_turn_base_173``: a ticket id given as a string where the doc
+    says integer).
     """
     check_split(split)  # before any file is read
     data = package_dir("bfcl_eval") / "data"
@@ -261,7 +261,7 @@ def _task_functions(task: BFCLTask) -> list[tuple[str, str, str, dict]]:
 
 class BFCLEnv(ToolEnv):
     """Args: seed (which task), split ('train' | 'test' | 'all'), max_turns, task (a fixed
-    :class:`BFCLTask`), time_limit_s (per call), exclude_tasks (task ids never drawn)."""
+    `BFCLTask`), time_limit_s (per call), exclude_tasks (task ids never drawn)."""
 
     def __init__(
         self,

@@ -19,8 +19,8 @@ different lengths meet in a batch, where a product turn ratio and a mean turn ra
 Instances are room sequences (``rooms ** calls`` of them), split 80/20 by the shared seeded split
 (held-out instances are sequences training never draws). A uniformly random turn almost never
 holds a right call (random success is about 0), so these tasks are for warm-started policies:
-:meth:`CallTask.demo_turn` is the scripted turn with a chosen amount of noise, which
-``python -m train.sft --demo-noise`` imitates.
+`CallTask.demo_turn` is the scripted turn with a chosen amount of noise, which ``python -m train.sft
+--demo-noise`` imitates.
 """
 
 from __future__ import annotations

@@ -9,27 +9,28 @@ read with ``transformers.AutoTokenizer``, never from a hub.
 A trajectory's ids are built incrementally (docs/design.md §2): the system prompt with the tool
 schemas and the task are rendered once by the chat template; after that, each assistant turn is
 kept as sampled, and only what the environment says next is rendered and encoded
-(:meth:`ChatFormat.observation`), so a conversation is never re-rendered (Qwen3's template drops
-earlier ``<think>`` blocks when it is, which would shift every later token).
+([`ChatFormat.observation`][envs.chat.ChatFormat.observation]), so a conversation is never
+re-rendered (Qwen3's template drops earlier ``<think>`` blocks when it is, which would shift every
+later token).
 
 Nothing of the format is hard-coded: the generation prompt, the end-of-turn token and the text
 between an assistant turn and the next generation prompt (tool responses, a user message) are
-what the folder's own template renders (:class:`ChatFormat` renders a conversation around a
-sentinel and reads its pieces off), so a Qwen3 hybrid template with thinking on or off, a
+what the folder's own template renders ([`ChatFormat`][envs.chat.ChatFormat] renders a conversation
+around a sentinel and reads its pieces off), so a Qwen3 hybrid template with thinking on or off, a
 Qwen3-2507 Instruct template (no think block) or a Thinking one (an opened ``<think>``) is each
 spoken as its checkpoint was trained on.
 
 Tool calls use Qwen3's format, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
-:func:`parse_tool_calls` reads them and never raises: malformed calls come back as errors for the
-environment to show the agent.
+[`parse_tool_calls`][envs.chat.parse_tool_calls] reads them and never raises: malformed calls come
+back as errors for the environment to show the agent.
 
 **Templates that render no tools.** Some templates ignore the ``tools`` argument (SmolLM2's
 ChatML template renders messages only): the schemas would be dropped without a word and the model
-never told what it may call. :class:`ChatFormat` finds this out by rendering a probe tool, and then
-either puts the tools into the system message (``tool_fallback="system"``, the default:
-:func:`tool_block`, the same ``<tools>`` listing and ``<tool_call>`` JSON format Qwen3's template
-writes, which :func:`parse_tool_calls` reads) or refuses a prompt with tools
-(``tool_fallback="refuse"``), naming the template.
+never told what it may call. [`ChatFormat`][envs.chat.ChatFormat] finds this out by rendering a
+probe tool, and then either puts the tools into the system message (``tool_fallback="system"``, the
+default: [`tool_block`][envs.chat.tool_block], the same ``<tools>`` listing and ``<tool_call>`` JSON
+format Qwen3's template writes, which [`parse_tool_calls`][envs.chat.parse_tool_calls] reads) or
+refuses a prompt with tools (``tool_fallback="refuse"``), naming the template.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def chat_format(
     folder: str | None = None, *, enable_thinking: bool = False, tool_fallback: str = "system"
 ) -> ChatFormat:
     """The codec of the chat environments for a tokenizer folder (None: the bundled Qwen3 one):
-    one :class:`ChatFormat` per process, folder, thinking mode and tool fallback (its prompt cache
-    is shared by every environment that speaks it)."""
+    one [`ChatFormat`][envs.chat.ChatFormat] per process, folder, thinking mode and tool fallback
+    (its prompt cache is shared by every environment that speaks it)."""
     source = str(folder) if folder is not None else str(tokenizer_dir())
     return ChatFormat(
         load_tokenizer(folder),
@@ -188,7 +189,8 @@ TOOL_FALLBACKS = ("system", "refuse")
 def tool_block(tools: Sequence[dict]) -> str:
     """The tools as a system-message block, for templates that render none: the schemas one JSON
     object a line inside ``<tools>``, and the ``<tool_call>`` JSON format to call them in (Qwen3's
-    own wording and format, so that :func:`parse_tool_calls` reads the calls)."""
+    own wording and format, so that [`parse_tool_calls`][envs.chat.parse_tool_calls] reads the
+    calls)."""
     schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     return (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -205,13 +207,14 @@ class ChatFormat:
     them (see the module docstring).
 
     Args:
-      tokenizer: a tokenizer with a chat template (:func:`load_tokenizer`).
+      tokenizer: a tokenizer with a chat template ([`load_tokenizer`][envs.chat.load_tokenizer]).
       enable_thinking: passed to the template (a hybrid Qwen3 template adds an empty
         ``<think></think>`` to every generation prompt when it is False).
       source: where the tokenizer came from, for error messages and export.
       tool_fallback: what a prompt with tools does when the template renders none (see the
         module docstring): ``system`` (the tool block goes into the system message) or
-        ``refuse`` (:meth:`prompt` raises). ``renders_tools`` says which case holds.
+        ``refuse`` ([`prompt`][envs.chat.ChatFormat.prompt] raises). ``renders_tools`` says which
+        case holds.
 
     Raises:
       ChatTemplateError: no chat template, an end of turn that is not one token, or a template
@@ -301,8 +304,8 @@ class ChatFormat:
 
     def with_tools(self, messages: list[dict], tools: Sequence[dict] | None) -> list[dict]:
         """``messages`` as the template should see them: unchanged where it renders tools (or
-        there are none); else with :func:`tool_block` appended to the system message (one is
-        added first when there is none), or refused (``tool_fallback="refuse"``)."""
+        there are none); else with [`tool_block`][envs.chat.tool_block] appended to the system
+        message (one is added first when there is none), or refused (``tool_fallback="refuse"``)."""
         if not tools or self.renders_tools:
             return list(messages)
         if self.tool_fallback == "refuse":
@@ -383,7 +386,7 @@ class ChatFormat:
 
     def prompt(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """System prompt (with the tool schemas: the template's own rendering, or the fallback
-        of :meth:`with_tools`), the task, and the generation prompt.
+        of [`with_tools`][envs.chat.ChatFormat.with_tools]), the task, and the generation prompt.
 
         Rendered once per distinct (messages, tools): a group's rollouts share their task, and a
         tool-heavy prompt (BFCL, tau2) is thousands of tokens to encode. The last 256 are kept.

@@ -5,9 +5,9 @@
     report = check_environment(lambda seed: MyEnv(seed=seed))
 
 * the scripted optimal policy (``optimal_turn``/``oracle_turn``/``oracle_turns``, see
-  :func:`envs.scripted.oracle_act`) solves it through the real rollout loop, and the batch it
-  produces passes :func:`mpo_jax.batch.validate`;
-* hostile turns (:data:`HOSTILE_TURNS`: empty, huge, control characters, random code points, ...)
+  `envs.scripted.oracle_act`) solves it through the real rollout loop, and the batch it
+  produces passes [`mpo_jax.batch.validate`][mpo_jax.batch.validate];
+* hostile turns (`HOSTILE_TURNS`: empty, huge, control characters, random code points, ...)
   never raise and always get an observation;
 * episodes end (within ``max_turns``) and fit the environment's ``max_episode_tokens``.
 

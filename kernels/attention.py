@@ -8,7 +8,7 @@ the start of its own sequence when several are packed in one row; default: none)
     o_t = Σ_s p_ts v_s,   p_ts = exp(z_ts - lse_t),   z_ts = scale · q_t·k_s,
     lse_t = log Σ_{s visible} exp(z_ts)                   (o_t = 0 when nothing is visible)
 
-:func:`attention` computes it block by block (FlashAttention, Dao et al. 2022): for each block of
+`attention` computes it block by block (FlashAttention, Dao et al. 2022): for each block of
 ``block_q`` queries, a loop over blocks of ``block_k`` keys carries the running max, the running
 sum and the unnormalised output; blocks whose keys are all invisible to the query block are not
 visited (the causal upper triangle, a cache's empty slots). Only ``o`` and ``lse`` are kept for
@@ -246,7 +246,7 @@ def _q_blocks(x, bq: int, hkv: int):
 
 
 def _q_tokens(x, t: int):
-    """The inverse of :func:`_q_blocks`: [B, nq, Hkv, G, bq, D] -> [B, t, Hq, D]."""
+    """The inverse of `_q_blocks`: [B, nq, Hkv, G, bq, D] -> [B, t, Hq, D]."""
     b, nq, hkv, g, bq, d = x.shape
     return x.transpose(0, 1, 4, 2, 3, 5).reshape(b, nq * bq, hkv * g, d)[:, :t]
 
@@ -258,7 +258,7 @@ def _kv_blocks(x, bk: int):
 
 
 def _kv_tokens(x, t: int):
-    """The inverse of :func:`_kv_blocks`: [B, nk, Hkv, bk, D] -> [B, t, Hkv, D]."""
+    """The inverse of `_kv_blocks`: [B, nk, Hkv, bk, D] -> [B, t, Hkv, D]."""
     b, nk, hkv, bk, d = x.shape
     return x.transpose(0, 1, 3, 2, 4).reshape(b, nk * bk, hkv, d)[:, :t]
 
@@ -348,8 +348,8 @@ def attention(
         (default all); q_lower: int [B, Tq], the first key position each query may see (default
         none). All four None means a full causal sequence (cuDNN applies).
       scale: the score scale (default 1/sqrt(D)).
-      implementation: one of :data:`IMPLEMENTATIONS`, or None (see the module docstring).
-      block_q, block_k: the chunked kernel's block sizes (default :func:`default_block`: 128
+      implementation: one of `IMPLEMENTATIONS`, or None (see the module docstring).
+      block_q, block_k: the chunked kernel's block sizes (default `default_block`: 128
         on the CPU, 512 elsewhere).
 
     Returns:

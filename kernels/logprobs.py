@@ -17,7 +17,7 @@ backward pass, where
 
 so peak memory is one chunk's [rows, chunk, vocab] block instead of the whole [tokens, vocab]
 matrix (151,936-way softmax per token is where RL trainers run out of memory). Values and
-gradients equal the naive computation (:func:`naive_logprobs_and_entropy`) to float32 rounding.
+gradients equal the naive computation (`naive_logprobs_and_entropy`) to float32 rounding.
 """
 
 from __future__ import annotations
@@ -178,5 +178,5 @@ def logprobs_and_entropy(
 
 
 def token_logprobs(hidden, weight, targets, **kwargs) -> jax.Array:
-    """Per-token log-probs only (see :func:`logprobs_and_entropy`)."""
+    """Per-token log-probs only (see `logprobs_and_entropy`)."""
     return logprobs_and_entropy(hidden, weight, targets, **kwargs)[0]

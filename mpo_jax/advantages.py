@@ -9,7 +9,7 @@ Every function accepts NumPy or JAX arrays in float32 or float64 (float64 needs 
 computes in the wider of its inputs' float dtypes, and runs under ``jax.jit`` with its
 hyperparameters passed as Python floats. Outputs are 0 off ``loss_mask``. Internally the arrays
 are transposed once to time-major [T, B] and every recursion is
-:func:`mpo_jax.scan.linear_scans_time_major`.
+[`mpo_jax.scan.linear_scans_time_major`][mpo_jax.scan.linear_scans_time_major].
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def token_gae(
       gamma: discount (a Python float or a scalar).
       lam: GAE λ (a Python float or a scalar).
       bootstrap_value: [B] value after the last action token; 0 when None.
-      method: scan strategy, see :mod:`mpo_jax.scan`.
+      method: scan strategy, see [`mpo_jax.scan`][mpo_jax.scan].
 
     Returns:
       (advantages, returns), each [B, T], 0 off ``loss_mask``.
@@ -175,8 +175,9 @@ def turn_gae(
     ``bootstrap_value``, default 0); ``A_k = δ_k + γλ A_{k+1}``. Every token of turn k gets
     ``A_k``; returns ``G_k = A_k + V_{s_k}``.
 
-    ``turns`` (from :func:`mpo_jax.segments.turn_structure`) skips recomputing the structure in
-    the associative form; the sequential form finds turn boundaries inside its one loop.
+    ``turns`` (from [`mpo_jax.segments.turn_structure`][mpo_jax.segments.turn_structure]) skips
+    recomputing the structure in the associative form; the sequential form finds turn boundaries
+    inside its one loop.
 
     Returns:
       (advantages, returns), each [B, T], 0 off ``loss_mask``.
@@ -209,8 +210,8 @@ def multiscale_advantages(
 ) -> jax.Array:
     """Multiscale advantages (MPO's MAE): turn GAE plus a mean-centred intra-turn trace.
 
-    Turn part: ``A_k`` from :func:`turn_gae` with (γ_turn, λ_turn). Inside turn k, over its
-    action tokens t_0 < ... < t_n:
+    Turn part: ``A_k`` from [`turn_gae`][mpo_jax.advantages.turn_gae] with (γ_turn, λ_turn). Inside
+    turn k, over its action tokens t_0 < ... < t_n:
     ``δ_{t_i} = r_{t_i} + γ_tok V_{t_{i+1}} - V_{t_i}`` for i < n,
     ``δ_{t_n} = r_{t_n} + γ_turn V_{s_{k+1}} - V_{t_n}``,
     ``a_{t_i} = Σ_{j=0}^{n-i} (γ_tok λ_tok)^j δ_{t_{i+j}}``, and
@@ -219,11 +220,11 @@ def multiscale_advantages(
 
     This is the least-squares projection of ``A_k + β a`` onto {turn mean = A_k}: every turn's
     mean advantage is exactly ``A_k`` for any β, and β = 0 is turn-PPO. ``turns``: as in
-    :func:`turn_gae`.
+    [`turn_gae`][mpo_jax.advantages.turn_gae].
 
     Returns:
       advantages [B, T], 0 off ``loss_mask``. (The critic's targets stay PPO's: use
-      :func:`token_gae`'s returns.)
+      [`token_gae`][mpo_jax.advantages.token_gae]'s returns.)
     """
     r, v, mask, boot = _prepare(
         "multiscale_advantages", rewards, values, loss_mask, bootstrap_value, turn_ids
@@ -274,7 +275,8 @@ def turn_log_ratio(
 
     ``reduce="mean"`` divides by ``|S_k|`` (the geometric-mean ratio of GSPO and ST-PPO).
     Differentiable in ``logp``; unclamped (the policy loss clamps before ``exp``). ``turns``
-    (:func:`mpo_jax.segments.turn_structure`) skips recomputing the structure.
+    ([`mpo_jax.segments.turn_structure`][mpo_jax.segments.turn_structure]) skips recomputing the
+    structure.
 
     Returns:
       [B, T], 0 off ``loss_mask``.
@@ -364,11 +366,13 @@ def group_advantages(
     to zero.
 
     Args:
-      outcomes: [B] trajectory returns R_b (e.g. :func:`mpo_jax.batch.trajectory_sums`).
+      outcomes: [B] trajectory returns R_b (e.g.
+        [`mpo_jax.batch.trajectory_sums`][mpo_jax.segments.trajectory_sums]).
       group_ids: [B] int; equal ids share a group (any integers, not necessarily contiguous).
 
     Returns:
-      [B] advantages (broadcast to tokens with :func:`mpo_jax.batch.broadcast_trajectory_values`).
+      [B] advantages (broadcast to tokens with
+      [`mpo_jax.batch.broadcast_trajectory_values`][mpo_jax.segments.broadcast_trajectory_values]).
 
     Example:
       >>> group_advantages([1.0, 0.0, 1.0, 0.0], [7, 7, 3, 3], scale="none").tolist()
@@ -393,10 +397,11 @@ def gigpo_advantages(
 ) -> jax.Array:
     """GiGPO per-turn advantages: episode groups plus step groups of identical states.
 
-    Episode part: ``A_E(b)`` = :func:`group_advantages` of ``R_b = Σ_k r_{b,k}`` by ``group_ids``.
-    Step part: the discounted return from turn k, ``G_{b,k} = Σ_{j>=k} γ^{j-k} r_{b,j}``, normalised
-    within its step group: turns (b, k) of the same prompt group whose state keys are equal.
-    ``A_{b,k} = A_E(b) + ω A_S(b, k)`` (Feng et al. 2025, arXiv:2505.10978).
+    Episode part: ``A_E(b)`` = [`group_advantages`][mpo_jax.advantages.group_advantages] of ``R_b =
+    Σ_k r_{b,k}`` by ``group_ids``. Step part: the discounted return from turn k, ``G_{b,k} =
+    Σ_{j>=k} γ^{j-k} r_{b,j}``, normalised within its step group: turns (b, k) of the same prompt
+    group whose state keys are equal. ``A_{b,k} = A_E(b) + ω A_S(b, k)`` (Feng et al. 2025,
+    arXiv:2505.10978).
 
     Args:
       step_rewards: [B, K] per-turn rewards (the outcome on the last turn).
@@ -406,7 +411,7 @@ def gigpo_advantages(
 
     Returns:
       [B, K] per-turn advantages, 0 where ``step_mask`` is False (broadcast to tokens with
-      :func:`mpo_jax.batch.broadcast_turn_values`).
+      [`mpo_jax.batch.broadcast_turn_values`][mpo_jax.segments.broadcast_turn_values]).
     """
     check_same_shape(
         "gigpo_advantages", 2, step_rewards=step_rewards, step_keys=step_keys, step_mask=step_mask
@@ -502,15 +507,18 @@ def trace_turn_advantages(
 ) -> jax.Array:
     """TRACE token advantages: ``α_out · A_out(b) + α_turn · c_{turn(t)}`` on action tokens.
 
-    Turn credit is not group-normalised. Turn k reads ``c_k`` from :func:`trace_turn_credit`.
-    Turns with no credit entry (typically the final answer turn, which crosses no tool-call
-    boundary) get ``terminal_fill``: ``"zero"`` (only the outcome term) or ``"last"`` (repeat the
-    last available turn credit). The paper's readings of its terminal fill differ, hence the option.
+    Turn credit is not group-normalised. Turn k reads ``c_k`` from
+    [`trace_turn_credit`][mpo_jax.advantages.trace_turn_credit]. Turns with no credit entry
+    (typically the final answer turn, which crosses no tool-call boundary) get ``terminal_fill``:
+    ``"zero"`` (only the outcome term) or ``"last"`` (repeat the last available turn credit). The
+    paper's readings of its terminal fill differ, hence the option.
 
     Args:
-      outcome_advantages: [B] group outcome advantages (:func:`group_advantages`).
-      turn_credit: [B, M-1] from :func:`trace_turn_credit`.
-      boundary_mask: [B, M] the same prefix mask given to :func:`trace_turn_credit`.
+      outcome_advantages: [B] group outcome advantages
+        ([`group_advantages`][mpo_jax.advantages.group_advantages]).
+      turn_credit: [B, M-1] from [`trace_turn_credit`][mpo_jax.advantages.trace_turn_credit].
+      boundary_mask: [B, M] the same prefix mask given to
+        [`trace_turn_credit`][mpo_jax.advantages.trace_turn_credit].
 
     Returns:
       [B, T] advantages, 0 off ``loss_mask``.

@@ -1,8 +1,8 @@
 """The named algorithm presets (docs/design.md §3), and one function that computes their credit.
 
-A preset is a frozen :class:`Algorithm`: which estimator, its hyperparameters (the papers'
-defaults where they give them; ours, marked, where they are silent), the ratio level and
-aggregation of the policy loss, and whether a critic is needed.
+A preset is a frozen [`Algorithm`][mpo_jax.algorithms.Algorithm]: which estimator, its
+hyperparameters (the papers' defaults where they give them; ours, marked, where they are silent),
+the ratio level and aggregation of the policy loss, and whether a critic is needed.
 
     >>> from mpo_jax import algorithms
     >>> algo = algorithms.get("mpo", beta=0.3)            # a preset with an override
@@ -59,7 +59,7 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class GAE:
-    """Token and turn GAE (:func:`~mpo_jax.advantages.token_gae`, ``turn_gae``): γ = 1 and
+    """Token and turn GAE ([`token_gae`][mpo_jax.advantages.token_gae], ``turn_gae``): γ = 1 and
     λ = 0.95 are ours, the usual choice for LLM agents."""
 
     gamma: float = 1.0
@@ -68,7 +68,7 @@ class GAE:
 
 @dataclasses.dataclass(frozen=True)
 class Multiscale:
-    """MPO's MAE (:func:`~mpo_jax.advantages.multiscale_advantages`)."""
+    """MPO's MAE ([`multiscale_advantages`][mpo_jax.advantages.multiscale_advantages])."""
 
     gamma_turn: float = 1.0
     lam_turn: float = 0.95
@@ -79,8 +79,8 @@ class Multiscale:
 
 @dataclasses.dataclass(frozen=True)
 class Critic:
-    """The critic's targets (token-GAE returns, :func:`~mpo_jax.advantages.token_gae`'s
-    ``gamma``/``lam``) and its loss (:func:`~mpo_jax.losses.value_loss`'s ``clip``)."""
+    """The critic's targets (token-GAE returns, [`token_gae`][mpo_jax.advantages.token_gae]'s
+    ``gamma``/``lam``) and its loss ([`value_loss`][mpo_jax.losses.value_loss]'s ``clip``)."""
 
     gamma: float = 1.0
     lam: float = 0.95
@@ -89,7 +89,7 @@ class Critic:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Group outcome advantages (:func:`~mpo_jax.advantages.group_advantages`)."""
+    """Group outcome advantages ([`group_advantages`][mpo_jax.advantages.group_advantages])."""
 
     baseline: Literal["mean", "leave_one_out", "loo"] = "mean"
     scale: Literal["std", "none"] = "std"
@@ -98,9 +98,10 @@ class Group:
 
 @dataclasses.dataclass(frozen=True)
 class Trace:
-    """TRACE (paper defaults): :func:`~mpo_jax.advantages.trace_turn_credit`'s ``eps``,
-    ``horizon``, ``gamma``, ``normalize`` and :func:`~mpo_jax.advantages.trace_turn_advantages`'s
-    ``alpha_out``, ``alpha_turn``, ``terminal_fill``."""
+    """TRACE (paper defaults): [`trace_turn_credit`][mpo_jax.advantages.trace_turn_credit]'s
+    ``eps``, ``horizon``, ``gamma``, ``normalize`` and
+    [`trace_turn_advantages`][mpo_jax.advantages.trace_turn_advantages]'s ``alpha_out``,
+    ``alpha_turn``, ``terminal_fill``."""
 
     eps: float = 0.1
     horizon: int = 3
@@ -121,7 +122,7 @@ class Trace:
 
 @dataclasses.dataclass(frozen=True)
 class GiGPO:
-    """GiGPO (paper defaults; :func:`~mpo_jax.advantages.gigpo_advantages`)."""
+    """GiGPO (paper defaults; [`gigpo_advantages`][mpo_jax.advantages.gigpo_advantages])."""
 
     gamma: float = 0.95
     omega: float = 1.0
@@ -148,16 +149,16 @@ def kwargs_of(config) -> dict:
 class Algorithm:
     """One algorithm: credit assignment plus the settings of its clipped update.
 
-    The credit settings live in one config per estimator family (:data:`FAMILIES`), each field
+    The credit settings live in one config per estimator family (`FAMILIES`), each field
     named as the argument it feeds (``algo.multiscale.beta`` is ``multiscale_advantages(beta=)``),
     so an estimator passes ``**kwargs_of(algo.multiscale)``. The update's settings (ratio level,
-    clip range, aggregation) are :func:`mpo_jax.losses.policy_loss`'s arguments. KL to the
-    reference: ``kl_coef`` with estimator ``kl_kind``, as a loss term or, with ``kl_in_reward``,
-    subtracted from the rewards before credit assignment.
+    clip range, aggregation) are [`mpo_jax.losses.policy_loss`][mpo_jax.losses.policy_loss]'s
+    arguments. KL to the reference: ``kl_coef`` with estimator ``kl_kind``, as a loss term or, with
+    ``kl_in_reward``, subtracted from the rewards before credit assignment.
 
-    Override with :func:`get`: ``get("mpo", beta=0.3)`` (a name that only one family has) or
-    ``get("mpo", **{"critic.lam": 1.0})`` (``family.field``, needed for ``gamma``, ``lam``,
-    ``eps``, ``scale``, which several families have).
+    Override with [`get`][mpo_jax.algorithms.get]: ``get("mpo", beta=0.3)`` (a name that only one
+    family has) or ``get("mpo", **{"critic.lam": 1.0})`` (``family.field``, needed for ``gamma``,
+    ``lam``, ``eps``, ``scale``, which several families have).
     """
 
     name: str
@@ -214,7 +215,7 @@ class Algorithm:
         return _spec(self).needs_reference_answers
 
     def policy_loss_kwargs(self) -> dict:
-        """Keyword arguments for :func:`mpo_jax.losses.policy_loss`."""
+        """Keyword arguments for [`mpo_jax.losses.policy_loss`][mpo_jax.losses.policy_loss]."""
         return dict(
             ratio_level=self.ratio_level,
             ratio_reduce=self.ratio_reduce,
@@ -226,7 +227,8 @@ class Algorithm:
 
 
 class Credit(NamedTuple):
-    """What :func:`compute_advantages` returns: [B, T] arrays, 0 off ``loss_mask``.
+    """What [`compute_advantages`][mpo_jax.algorithms.compute_advantages] returns: [B, T] arrays, 0
+    off ``loss_mask``.
 
     ``returns`` are the critic's targets (``None`` for critic-free presets); ``rewards`` are the
     rewards the credit was computed from (after a KL-in-reward or TRACE's dense turn rewards).
@@ -434,7 +436,7 @@ def compute_advantages(
     algo: Algorithm, batch: TurnBatch, *, need_returns: bool | None = None
 ) -> Credit:
     """Advantages (and the critic's targets) of ``batch`` under preset ``algo``: the registered
-    estimator ``algo.estimator`` (:data:`ESTIMATOR_REGISTRY`).
+    estimator ``algo.estimator`` (`ESTIMATOR_REGISTRY`).
 
     Critic presets read ``batch.values`` (and ``bootstrap_values`` for truncated rows); group
     presets read ``group_ids``; GiGPO reads ``step_keys``; TRACE presets read ``boundary_mask``
@@ -541,7 +543,7 @@ def get(name: str, **overrides) -> Algorithm:
     """The preset ``name`` with ``overrides`` applied; unknown names list the valid ones.
 
     A key is a top-level field (``clip_high``), ``family.field`` (``critic.lam``), a field name
-    only one family has (``beta`` = ``multiscale.beta``) or a name of :data:`LEGACY_OVERRIDES`.
+    only one family has (``beta`` = ``multiscale.beta``) or a name of `LEGACY_OVERRIDES`.
     A name several families share (``eps``) must be written ``family.field``.
     """
     if name not in PRESETS:

@@ -5,10 +5,11 @@ A batch holds B trajectories padded to T tokens. ``loss_mask`` marks the tokens 
 Turn boundaries come from ``turn_ids`` only, never from reward positions or runs of the mask, so an
 assistant turn may even contain non-sampled tokens (template tokens) without splitting.
 
-This module is the schema (:class:`TurnBatch`, its fields once) and the host-side validator
-(:func:`validate`). The segment helpers that compute on the layout (turn starts and ends, turn
-sums and means, broadcasts) live in :mod:`mpo_jax.segments`; the public ones are re-exported here,
-where docs/design.md names the layout's API.
+This module is the schema ([`TurnBatch`][mpo_jax.batch.TurnBatch], its fields once) and the
+host-side validator ([`validate`][mpo_jax.batch.validate]). The segment helpers that compute on the
+layout (turn starts and ends, turn sums and means, broadcasts) live in
+[`mpo_jax.segments`][mpo_jax.segments]; the public ones are re-exported here, where docs/design.md
+names the layout's API.
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ class TurnBatch:
     def narrow(self, width: int) -> TurnBatch:
         """The batch with its [B, T] token fields cut (or padded with each field's fill) to
         ``width`` columns; per-row and per-turn fields unchanged. Cutting changes no loss, value
-        or log-prob of an action token when ``width`` >= every :meth:`row_lengths`."""
+        or log-prob of an action token when ``width`` >= every
+        [`row_lengths`][mpo_jax.batch.TurnBatch.row_lengths]."""
         out = {}
         for name in TOKEN_FIELDS:
             x = getattr(self, name)
@@ -159,7 +161,7 @@ class TurnBatch:
     def concatenate(cls, batches: list[TurnBatch]) -> TurnBatch:
         """The rows of several batches (on the host, NumPy), in order. Ragged trailing widths
         ([B, M] boundaries, [B, K] step keys) are padded with each field's fill value
-        (:data:`FIELD_FILL`); the fields present must be the same in every batch."""
+        (`FIELD_FILL`); the fields present must be the same in every batch."""
         if not batches:
             raise ValueError("TurnBatch.concatenate: no batches")
         names = list(batches[0].present())
@@ -220,7 +222,7 @@ _TOKEN_FLOAT_FIELDS = (
     "returns",
     "is_weights",
 )
-# Every [B, T] field: what :meth:`TurnBatch.narrow` cuts.
+# Every [B, T] field: what [`TurnBatch.narrow`][mpo_jax.batch.TurnBatch.narrow] cuts.
 TOKEN_FIELDS = ("tokens", "loss_mask", "turn_ids", *_TOKEN_FLOAT_FIELDS)
 
 

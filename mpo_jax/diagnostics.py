@@ -54,7 +54,8 @@ def turn_variance_fraction(
 def median_turn_variance_fraction(
     values: ArrayLike, loss_mask: ArrayLike, turn_ids: ArrayLike
 ) -> jax.Array:
-    """The median of :func:`turn_variance_fraction` over rows where it is defined (0 if none)."""
+    """The median of [`turn_variance_fraction`][mpo_jax.diagnostics.turn_variance_fraction] over
+    rows where it is defined (0 if none)."""
     frac, defined = turn_variance_fraction(values, loss_mask, turn_ids)
     n = jnp.sum(defined)
     ordered = jnp.sort(jnp.where(defined, frac, jnp.inf))

@@ -1,24 +1,26 @@
 """Single-loop sequential forms of the GAE family (the ``method="sequential"`` path).
 
-The estimators in :mod:`mpo_jax.advantages` are written as compositions of the linear recurrence
-of :mod:`mpo_jax.scan`: that form is what the associative (log-depth) strategy needs. Run one
-position at a time, though, the composition costs one loop per recurrence (turn starts, turn ends
-and next values, turn sums, the two advantage recursions, the turn mean and its fill: six loops
-for MAE, two for token GAE), each with its own reads, writes and transposes.
+The estimators in [`mpo_jax.advantages`][mpo_jax.advantages] are written as compositions of the
+linear recurrence of [`mpo_jax.scan`][mpo_jax.scan]: that form is what the associative (log-depth)
+strategy needs. Run one position at a time, though, the composition costs one loop per recurrence
+(turn starts, turn ends and next values, turn sums, the two advantage recursions, the turn mean and
+its fill: six loops for MAE, two for token GAE), each with its own reads, writes and transposes.
 
 Here the same recursions are one reverse loop each, carrying what a hand-written per-timestep loop
 carries (verl's GAE carries the next action token's value and the running advantage):
 
-* :func:`token_gae_loop`: carry ``(V of the next action token, A_{t+1})``; one loop.
-* :func:`turn_credit_loop`: turn GAE and, when ``beta`` is not 0, MAE's intra-turn trace. A turn's
+* [`token_gae_loop`][mpo_jax.fused.token_gae_loop]: carry ``(V of the next action token, A_{t+1})``;
+one loop.
+* [`turn_credit_loop`][mpo_jax.fused.turn_credit_loop]: turn GAE and, when ``beta`` is not 0, MAE's
+intra-turn trace. A turn's
   first token is only known once the loop reaches the previous turn's last token, so turn k's
   credit ``A_k`` (and its trace mean) is *emitted* there and a second, forward loop spreads it
   over the turn's tokens: two loops in all, whatever the number of turns.
 
-The formulas are in docs/design.md §3 and in the docstrings of :mod:`mpo_jax.advantages`; these
-functions take time-major [T, B] arrays prepared by it and are tested against the float64
-reference and the associative form (``tests/test_advantages.py``). ``benchmarks/advantages.py``
-measures both forms.
+The formulas are in docs/design.md §3 and in the docstrings of
+[`mpo_jax.advantages`][mpo_jax.advantages]; these functions take time-major [T, B] arrays prepared
+by it and are tested against the float64 reference and the associative form
+(``tests/test_advantages.py``). ``benchmarks/advantages.py`` measures both forms.
 """
 
 from __future__ import annotations

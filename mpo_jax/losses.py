@@ -1,8 +1,9 @@
 """Policy loss (ratio per token, turn or sequence), value loss, KL penalties, entropy, aggregation.
 
-Every loss is computed per token, then aggregated as ``(sum, count)`` (:func:`aggregate`): the
-loss is ``sum / count``, or ``sum / normalizer`` when the caller passes the full batch's count, so
-that gradient accumulation over micro-batches reproduces the full-batch gradient exactly.
+Every loss is computed per token, then aggregated as ``(sum, count)``
+([`aggregate`][mpo_jax.losses.aggregate]): the loss is ``sum / count``, or ``sum / normalizer`` when
+the caller passes the full batch's count, so that gradient accumulation over micro-batches
+reproduces the full-batch gradient exactly.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def aggregate(
     * ``turn_mean_token_mean``: sum = Σ_{b,k} (Σ_{t∈S_k} ℓ / |S_k|), count = number of turns.
 
     Each count is a sum over rows, so per-micro-batch counts add up to the full batch's count.
-    ``turns`` (:func:`mpo_jax.segments.turn_structure`) skips recomputing the turn structure.
+    ``turns`` ([`mpo_jax.segments.turn_structure`][mpo_jax.segments.turn_structure]) skips
+    recomputing the turn structure.
     """
     if mode not in AGGREGATIONS:
         raise ValueError(f"aggregation: unknown mode {mode!r}; choose one of {AGGREGATIONS}")
@@ -115,13 +117,14 @@ def policy_loss_per_token(
     turns: Turns | None = None,
     is_weights: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict]:
-    """The per-token clipped surrogate ℓ_t of :func:`policy_loss`, before aggregation.
+    """The per-token clipped surrogate ℓ_t of [`policy_loss`][mpo_jax.losses.policy_loss], before
+    aggregation.
 
     ``ℓ_t = -min(w_t Â_t, clip(w_t, 1 - ε_low, 1 + ε_high) Â_t)`` with
-    ``w_t = exp(sg(L) + logp_t - sg(logp_t))`` (see :func:`policy_loss`), 0 off ``loss_mask``.
-    Each ℓ_t depends on ``logp_t`` alone through the gradient path, so the gradient of
-    ``Σ_t ℓ_t`` is each token's own derivative: what a trainer that aggregates in its own way
-    (verl's ``agg_loss``) needs.
+    ``w_t = exp(sg(L) + logp_t - sg(logp_t))`` (see [`policy_loss`][mpo_jax.losses.policy_loss]), 0
+    off ``loss_mask``. Each ℓ_t depends on ``logp_t`` alone through the gradient path, so the
+    gradient of ``Σ_t ℓ_t`` is each token's own derivative: what a trainer that aggregates in its
+    own way (verl's ``agg_loss``) needs.
 
     Returns:
       (per_token [B, T], parts): parts hold the masked inputs (``mask``, ``logp``, ``old_logp``),
@@ -220,12 +223,14 @@ def policy_loss(
       advantages: [B, T].
       loss_mask: [B, T], the layout of docs/design.md §2.
       turn_ids: [B, T], the layout of docs/design.md §2.
-      aggregation: see :func:`aggregate`.
+      aggregation: see [`aggregate`][mpo_jax.losses.aggregate].
       normalizer: divide the summed loss by this instead of the batch's own count (pass the full
         batch's count when accumulating micro-batches).
-      turns: the batch's turn structure (:func:`mpo_jax.segments.turn_structure`); computed here,
+      turns: the batch's turn structure
+        ([`mpo_jax.segments.turn_structure`][mpo_jax.segments.turn_structure]); computed here,
         once, when not given, and shared by the ratio, the aggregation and the clip metrics.
-      is_weights: [B, T] behaviour weights ρ̄ (:func:`behaviour_weights`, decoupled PPO): each
+      is_weights: [B, T] behaviour weights ρ̄
+        ([`behaviour_weights`][mpo_jax.losses.behaviour_weights], decoupled PPO): each
         token's clipped term is multiplied by its (stop-gradient) weight, ``ℓ_t ← ρ̄_t ℓ_t``;
         ``old_logp`` is then the proximal policy and the weights correct the gap to the policy
         that sampled. None: no correction (on-policy data).
@@ -411,8 +416,8 @@ def kl_penalty(
     """Per-token estimates of KL(π || π_ref) from samples of π (Schulman's k1, k2, k3).
 
     With ``x = logp - ref_logp``: ``k1 = x``; ``k2 = ½ x²``; ``k3 = exp(-x) - 1 + x`` (unbiased,
-    non-negative, low variance). Use it as a loss (:func:`aggregate`) or as a reward
-    (``rewards - β · kl`` on action tokens). ``clamp`` bounds k3 (verl clamps at 10).
+    non-negative, low variance). Use it as a loss ([`aggregate`][mpo_jax.losses.aggregate]) or as a
+    reward (``rewards - β · kl`` on action tokens). ``clamp`` bounds k3 (verl clamps at 10).
 
     Returns:
       [B, T], 0 off ``loss_mask``.
@@ -437,7 +442,8 @@ def kl_penalty(
 def entropy_from_logprobs(logprobs: ArrayLike) -> jax.Array:
     """Entropy ``H = -Σ_v p_v log p_v`` of distributions given as log-probs [..., V] -> [...].
 
-    Terms with ``p_v = 0`` (log-prob -inf) contribute 0. Aggregate with :func:`aggregate`.
+    Terms with ``p_v = 0`` (log-prob -inf) contribute 0. Aggregate with
+    [`aggregate`][mpo_jax.losses.aggregate].
     """
     lp = jnp.asarray(logprobs)
     p = jnp.exp(lp)

@@ -1,10 +1,11 @@
 """Segment helpers on the turn layout (docs/design.md §2): where turns start and end, turn sums
 and means, broadcasts between tokens, turns and trajectories.
 
-The turn structure is computed once (:func:`turn_structure`, one forward and one reverse scan) and
-passed along as :class:`Turns`: every function here and every turn-level loss and estimator takes
-``turns=`` to skip recomputing it. Internally the helpers work in a time-major [T, B] layout: the
-estimators in :mod:`mpo_jax.advantages` transpose once, run every recursion over the leading axis
+The turn structure is computed once ([`turn_structure`][mpo_jax.segments.turn_structure], one
+forward and one reverse scan) and passed along as [`Turns`][mpo_jax.segments.Turns]: every function
+here and every turn-level loss and estimator takes ``turns=`` to skip recomputing it. Internally the
+helpers work in a time-major [T, B] layout: the estimators in
+[`mpo_jax.advantages`][mpo_jax.advantages] transpose once, run every recursion over the leading axis
 and transpose back.
 """
 
@@ -60,7 +61,7 @@ def check_same_shape(fn: str, rank: int | None, **arrays: Any) -> None:
 
 
 def check_token_arrays(fn: str, **arrays: Any) -> None:
-    """:func:`check_same_shape` for [B, T] token arrays."""
+    """[`check_same_shape`][mpo_jax.segments.check_same_shape] for [B, T] token arrays."""
     check_same_shape(fn, 2, **arrays)
 
 
@@ -179,8 +180,9 @@ def _to_time_major(x: Any, dtype: Any = None) -> jax.Array:
 
 
 class Turns(NamedTuple):
-    """The turn structure of a [B, T] layout: compute it once with :func:`turn_structure` and pass
-    it as ``turns=`` to every helper, loss and estimator that needs it.
+    """The turn structure of a [B, T] layout: compute it once with
+    [`turn_structure`][mpo_jax.segments.turn_structure] and pass it as ``turns=`` to every helper,
+    loss and estimator that needs it.
 
     Attributes:
       mask: [B, T] bool, the action tokens (``loss_mask``).

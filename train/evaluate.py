@@ -6,12 +6,12 @@
 
 No optimizer, critic or reference model is built: the policy alone plays ``--episodes`` tasks of
 ``--split`` x ``--k`` samples through the same code as the trainer's evaluation
-(:func:`train.core.evaluation.evaluate_set`), with the trainer's task seeds and sampling keys (a
-run's checkpoint at step N is evaluated exactly as the run's own evaluation at step N was). It
-prints
-the figures and writes ``metrics.json`` and ``transcripts.jsonl`` (every episode's conversation
-as text, its task, outcome and figures) to ``--out``. A user scores the base checkpoint before
-training and the exported one after, on the same tasks.
+([`train.core.evaluation.evaluate_set`][train.core.evaluation.evaluate_set]), with the trainer's
+task seeds and sampling keys (a run's checkpoint at step N is evaluated exactly as the run's own
+evaluation at step N was). It prints the figures and writes ``metrics.json`` and
+``transcripts.jsonl`` (every episode's conversation as text, its task, outcome and figures) to
+``--out``. A user scores the base checkpoint before training and the exported one after, on the same
+tasks.
 """
 
 from __future__ import annotations

@@ -16,9 +16,10 @@ under the causal LM's names plus ``value_head.weight`` and ``value_head.bias``, 
 
 A LoRA run (``--lora-rank``) exports either the merged model (the default: the base re-read, the
 adapters added in, the folder above) or, with ``--adapters``, the actor's adapters alone as a PEFT
-folder (``adapter_config.json``, ``adapter_model.safetensors``; :func:`train.model.lora.save_peft`)
-that ``peft.PeftModel.from_pretrained`` puts on the transformers base, that ``train.evaluate
---model-path BASE --adapter OUT`` evaluates and ``train.run --init-from OUT`` starts from.
+folder (``adapter_config.json``, ``adapter_model.safetensors``;
+[`train.model.lora.save_peft`][train.model.lora.save_peft]) that ``peft.PeftModel.from_pretrained``
+puts on the transformers base, that ``train.evaluate --model-path BASE --adapter OUT`` evaluates and
+``train.run --init-from OUT`` starts from.
 """
 
 from __future__ import annotations

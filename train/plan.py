@@ -237,8 +237,9 @@ def device_memory() -> int | None:
 
 
 def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
-    """The plan of ``cfg`` (a :class:`train.core.config.TrainConfig`) on this process's devices;
-    ``platform`` (cpu, gpu, tpu; default this process's) resolves ``--compute-dtype auto``."""
+    """The plan of ``cfg`` (a [`train.core.config.TrainConfig`][train.core.config.TrainConfig]) on
+    this process's devices; ``platform`` (cpu, gpu, tpu; default this process's) resolves
+    ``--compute-dtype auto``."""
     from flax import nnx
 
     import envs
@@ -579,14 +580,14 @@ def propose(
 ) -> Proposal:
     """Searches the settings left to their defaults until the plan fits ``limit`` bytes a device.
 
-    The program that does not fit says which knob to turn (:data:`KNOBS`): fewer decode slots
+    The program that does not fit says which knob to turn (`KNOBS`): fewer decode slots
     (``--slots``: more episodes in flight than slots), ``--remat full``, a smaller
     ``--micro-batch-tokens`` (down to one row of ``--max-len``); a knob that scales the
     program's own bytes is cut at once to the power of two below the share that would fit (at
     least halved), then the plan is compiled again. Fields in ``given`` (the
     user's own flags) are never changed; when they stand in the way, the search is run again
     without them and ``blocked`` holds what would fit. When nothing fits on these devices,
-    ``needs`` names the way out (:func:`_needs`): the fewest devices that would fit with fsdp,
+    ``needs`` names the way out (`_needs`): the fewest devices that would fit with fsdp,
     estimated from the plan at every knob's floor, or a shorter ``--max-len``."""
     say = say or (lambda message: None)
     plan = make_plan(cfg, limit=limit, platform=platform)
@@ -616,7 +617,7 @@ PROPOSED_LORA_RANK = 16
 
 
 def _with_lora(cfg, limit, platform, given, tries, say) -> Proposal | None:
-    """Full fine-tuning does not fit: the proposal with LoRA (:data:`PROPOSED_LORA_RANK` on every
+    """Full fine-tuning does not fit: the proposal with LoRA (`PROPOSED_LORA_RANK` on every
     projection: one frozen base, moments for the adapters alone, no reference copy), when it
     fits and the user did not set ``--lora-rank`` themselves."""
     if cfg.lora_rank or "lora_rank" in given:
@@ -633,7 +634,7 @@ def _with_lora(cfg, limit, platform, given, tries, say) -> Proposal | None:
 
 
 def floor_settings(max_len: int) -> dict:
-    """Every knob of :data:`KNOBS` at its floor: one decode slot, ``--remat full``,
+    """Every knob of `KNOBS` at its floor: one decode slot, ``--remat full``,
     micro-batches of one row of ``max_len``."""
     from mpo_jax.batch import padded_length
 
@@ -644,7 +645,7 @@ def floor_settings(max_len: int) -> dict:
 
 def devices_needed(plan: Plan, limit: int, most: int = 1 << 16) -> int | None:
     """The fewest devices, ``plan.devices`` times a power of two (at least 2), on which every
-    program of ``plan`` would fit ``limit`` with fsdp over all of them (:meth:`Program.peak_on`:
+    program of ``plan`` would fit ``limit`` with fsdp over all of them (`Program.peak_on`:
     fsdp divides the weights, moments, gradients and decode rows; one row's activations stay
     whole on its device, beside the weights it gathers). None when that undivided part alone
     does not fit, on any count."""
@@ -662,7 +663,7 @@ def _size(n: float) -> str:
 
 def _needs(cfg, plan: Plan, limit: int, platform, say) -> str:
     """The way out when nothing on these devices fits, from the plan with every knob at its
-    floor (:func:`floor_settings`): fsdp over :func:`devices_needed` devices, else (one row's
+    floor (`floor_settings`): fsdp over `devices_needed` devices, else (one row's
     activations alone too big) a shorter ``--max-len``; LoRA in both cases."""
     floor = dataclasses.replace(cfg, **floor_settings(plan.max_len))
     say("plan: nothing fits on these devices; planning every setting at its floor")
@@ -672,7 +673,7 @@ def _needs(cfg, plan: Plan, limit: int, platform, say) -> str:
 
 
 def way_out(plan: Plan, floor_plan: Plan, limit: int, minibatch_rows: int) -> str:
-    """What :func:`_needs` says, from the plan that does not fit and its floor plan
+    """What `_needs` says, from the plan that does not fit and its floor plan
     (``minibatch_rows``: the rows a minibatch splits over the devices named)."""
     if plan.resident_state > limit:
         why = f"the weights, moments and reference alone take {_size(plan.resident_state)} a device"

@@ -6,7 +6,8 @@
     python -m train.run --resume --run-dir runs/grpo          # continue a killed run
 
 This module is the command: flags, the refusals that write nothing, the memory plan, then the
-loop over steps with metrics and checkpoints. Each step is :meth:`train.core.trainer.Trainer.step`.
+loop over steps with metrics and checkpoints. Each step is
+[`train.core.trainer.Trainer.step`][train.core.trainer.Trainer.step].
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ def _write_config(trainer: Trainer, path: Path) -> None:
 
 def check_memory_plan(cfg: TrainConfig) -> TrainConfig:
     """The start-up memory check, before a weight is read: the run's programs compiled on
-    abstract shapes (:func:`train.plan.make_plan`) against ``--device-memory`` (default: what the
+    abstract shapes (`train.plan.make_plan`) against ``--device-memory`` (default: what the
     GPU/TPU runtime reports; none on the CPU, where memory is the host's). When they do not fit,
-    the settings the user left to their defaults are searched (:func:`train.plan.propose`) and
+    the settings the user left to their defaults are searched (`train.plan.propose`) and
     the run starts with the ones that fit, said on stderr; returns the configuration to run.
     Raises ``ValueError`` naming the change that fits (the user's own flags, more devices)."""
     if cfg.device_memory < 0:

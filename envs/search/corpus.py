@@ -8,7 +8,7 @@
   SQLite file with the standard library: atomic number, symbol, weight, series, period, group,
   discovery, top producers).
 
-The fact documents are what the multi-hop questions (:mod:`envs.search.questions`) are generated
+The fact documents are what the multi-hop questions (`envs.search.questions`) are generated
 from; the Wikipedia summaries are the haystack they are hidden in. Every document is built
 deterministically (sorted), so the corpus, and the index built from it, are identical on every
 install of the same package versions.

@@ -1,6 +1,6 @@
 """``search``: answer a multi-hop question by searching a closed corpus (a small BrowseComp-Plus).
 
-Each episode is one question of :mod:`envs.search.questions` (drawn by the env's seed from the
+Each episode is one question of `envs.search.questions` (drawn by the env's seed from the
 ``train`` or ``test`` split). Tools: ``search(query)`` returns the top 5 ``{docid, score,
 snippet}`` by BM25; ``get_document(docid)`` returns a document's text. The agent ends the
 episode by writing its answer inside ``<answer>...</answer>``; the reward is exact match after
@@ -37,7 +37,7 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 class SearchEnv(ToolEnv):
     """Args: seed (which question), split ('train' | 'test'), max_turns, question (a fixed
-    :class:`Question`, overriding the draw), index (defaults to the cached corpus index),
+    `Question`, overriding the draw), index (defaults to the cached corpus index),
     exclude_tasks (question ids never drawn)."""
 
     def __init__(

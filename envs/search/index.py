@@ -49,7 +49,7 @@ def _tokenizer() -> bm25s.tokenization.Tokenizer:
 
 
 class SearchIndex:
-    """BM25 over ``corpus``: :meth:`search` (top k hits with snippets) and :meth:`document`."""
+    """BM25 over ``corpus``: `search` (top k hits with snippets) and `document`."""
 
     def __init__(self, corpus: Corpus, retriever: bm25s.BM25, tokenizer, folder: Path | None):
         self.corpus = corpus

@@ -10,14 +10,19 @@
 
 Registered on import (verl 0.9.1's ``register_adv_est`` and ``register_policy_loss``):
 
-- estimators ``mpo`` (:func:`mpo_jax.advantages.multiscale_advantages`), ``turn_gae``
-  (:func:`mpo_jax.advantages.turn_gae`) and ``gigpo`` (:func:`mpo_jax.advantages.gigpo_advantages`,
-  which verl 0.9.1 lacks). Their keys live under ``algorithm.mpo`` (defaults: the ``mpo`` preset's,
-  :class:`mpo_jax.algorithms.Multiscale`); the critic's targets (``returns``) are PPO's token-GAE
-  returns with verl's own ``algorithm.gamma`` and ``algorithm.lam``, as verl's ``gae`` computes
-  them. Advantages are not whitened (verl's ``gae`` whitens; MAE keeps every turn's mean at its
-  turn GAE, which a whitening would shift).
-- policy losses ``mpo`` (:func:`mpo_jax.losses.policy_loss_per_token` with ``ratio_level="turn"``:
+- estimators ``mpo``
+([`mpo_jax.advantages.multiscale_advantages`][mpo_jax.advantages.multiscale_advantages]),
+``turn_gae``
+  ([`mpo_jax.advantages.turn_gae`][mpo_jax.advantages.turn_gae]) and ``gigpo``
+  ([`mpo_jax.advantages.gigpo_advantages`][mpo_jax.advantages.gigpo_advantages], which verl 0.9.1
+  lacks). Their keys live under ``algorithm.mpo`` (defaults: the ``mpo`` preset's,
+  [`mpo_jax.algorithms.Multiscale`][mpo_jax.algorithms.Multiscale]); the critic's targets
+  (``returns``) are PPO's token-GAE returns with verl's own ``algorithm.gamma`` and
+  ``algorithm.lam``, as verl's ``gae`` computes them. Advantages are not whitened (verl's ``gae``
+  whitens; MAE keeps every turn's mean at its turn GAE, which a whitening would shift).
+- policy losses ``mpo``
+([`mpo_jax.losses.policy_loss_per_token`][mpo_jax.losses.policy_loss_per_token] with
+``ratio_level="turn"``:
   the turn's summed log-ratio with the stop-gradient, clipped by ``clip_ratio_low/high``, the
   dual clip at ``clip_ratio_c`` as verl's ``vanilla``; aggregated by verl's own ``agg_loss`` over
   ``loss_agg_mode``) and ``mpo_turn_mean`` (the same, each token's loss divided by its turn's
@@ -37,7 +42,7 @@ function unchanged.
 
 Tensors cross to JAX by DLPack (no copy on the CPU, nor on CUDA when JAX has the GPU); the jitted
 functions are compiled once per padded shape bucket (rows to a multiple of 8, columns to
-:func:`mpo_jax.batch.padded_length`).
+[`mpo_jax.batch.padded_length`][mpo_jax.batch.padded_length]).
 """
 
 from __future__ import annotations
@@ -246,9 +251,9 @@ def mpo_advantage(
     turn_ids: torch.Tensor | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MAE (:func:`mpo_jax.advantages.multiscale_advantages`) on verl's batch: (advantages,
-    returns), each [B, R], 0 off ``response_mask``; returns are token-GAE's with verl's
-    ``algorithm.gamma``/``lam``."""
+    """MAE ([`mpo_jax.advantages.multiscale_advantages`][mpo_jax.advantages.multiscale_advantages])
+    on verl's batch: (advantages, returns), each [B, R], 0 off ``response_mask``; returns are
+    token-GAE's with verl's ``algorithm.gamma``/``lam``."""
     return _turn_credit(
         "mpo", token_level_rewards, response_mask, values, config, turn_ids, beta_zero=False
     )
@@ -264,7 +269,8 @@ def turn_gae_advantage(
     turn_ids: torch.Tensor | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn GAE alone (:func:`mpo_jax.advantages.turn_gae`: MAE at β = 0) on verl's batch."""
+    """Turn GAE alone ([`mpo_jax.advantages.turn_gae`][mpo_jax.advantages.turn_gae]: MAE at β = 0)
+    on verl's batch."""
     return _turn_credit(
         "turn_gae", token_level_rewards, response_mask, values, config, turn_ids, beta_zero=True
     )
@@ -293,10 +299,11 @@ def gigpo_advantage(
     turn_ids: torch.Tensor | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GiGPO (:func:`mpo_jax.advantages.gigpo_advantages`) on verl's batch: episode groups by
-    ``index`` (verl's ``uid``) plus step groups of turns whose ``step_keys`` ([B, K] int, an id
-    of the environment state each turn acted in, -1 where no turn; the batch must carry it)
-    are equal. (advantages, advantages): critic-free, as verl's ``grpo``."""
+    """GiGPO ([`mpo_jax.advantages.gigpo_advantages`][mpo_jax.advantages.gigpo_advantages]) on
+    verl's batch: episode groups by ``index`` (verl's ``uid``) plus step groups of turns whose
+    ``step_keys`` ([B, K] int, an id of the environment state each turn acted in, -1 where no turn;
+    the batch must carry it) are equal. (advantages, advantages): critic-free, as verl's
+    ``grpo``."""
     if step_keys is None:
         raise ValueError(
             "algorithm.adv_estimator=gigpo needs data.batch['step_keys'] ([B, K] int: an id of "
@@ -354,7 +361,8 @@ def compute_advantage(data, adv_estimator, gamma=1.0, lam=1.0, num_repeat=1,
 
 
 def _install_compute_advantage() -> None:
-    """Our :func:`compute_advantage` where verl's trainers look it up."""
+    """Our [`compute_advantage`][mpo_jax.integrations.verl.compute_advantage] where verl's trainers
+    look it up."""
     _ray_trainer.compute_advantage = compute_advantage
     try:
         from verl.trainer.ppo.v1 import utils as v1_utils
@@ -395,7 +403,8 @@ def _surrogate(logp, old, advantages, mask, tid, weights, *, clip, turn_mean):
 
 class _WithGradient(torch.autograd.Function):
     """``values`` whose gradient with respect to ``log_prob`` is ``grad`` times the incoming one
-    (each ℓ_t depends on its own log-prob only: :func:`mpo_jax.losses.policy_loss_per_token`)."""
+    (each ℓ_t depends on its own log-prob only:
+    [`mpo_jax.losses.policy_loss_per_token`][mpo_jax.losses.policy_loss_per_token])."""
 
     @staticmethod
     def forward(ctx, log_prob, values, grad):
@@ -471,7 +480,8 @@ def mpo_policy_loss(
     config: Any = None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """MPO's turn-ratio clipped surrogate (:func:`mpo_jax.losses.policy_loss_per_token`,
+    """MPO's turn-ratio clipped surrogate
+    ([`mpo_jax.losses.policy_loss_per_token`][mpo_jax.losses.policy_loss_per_token],
     ``ratio_level="turn"``) aggregated by verl's ``agg_loss`` over ``loss_agg_mode``."""
     return _loss("mpo", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                  rollout_is_weights, turn_mean=False)  # fmt: skip

@@ -14,7 +14,7 @@ corrects the gap to the behaviour policy with truncated importance weights
 all the episodes of a batch are sampled with the version the worker took when it started them,
 so every turn of a row carries that version (``TurnBatch.policy_version``).
 
-Device work of the two threads goes through a first-come-first-served lock (:class:`FairLock`),
+Device work of the two threads goes through a first-come-first-served lock (`FairLock`),
 held by the worker for one sampler call and by the learner for one scoring group or one
 minibatch: neither waits for more than one unit of the other's device work, and the host work
 (environment steps and tools, tokenisation, batching, credit on the host) overlaps the other
@@ -80,7 +80,7 @@ class RolloutWorker:
       generate: ``generate(step, params) -> rollouts`` (this host's share, sampled with params).
       start, steps: the steps to generate.
       max_staleness: K: step s is generated with a version >= s - K.
-      timeout: the watchdog: seconds :meth:`take` waits before it raises.
+      timeout: the watchdog: seconds `take` waits before it raises.
     """
 
     def __init__(
@@ -124,7 +124,7 @@ class RolloutWorker:
 
     def take(self, step: int) -> tuple[Any, int, float]:
         """(rollouts, version that sampled them, seconds the worker spent generating them) of
-        ``step``; re-raises the worker's exception; raises :class:`WorkerStalled` after
+        ``step``; re-raises the worker's exception; raises `WorkerStalled` after
         ``timeout`` seconds without the batch."""
         try:
             item = self._queue.get(timeout=self.timeout)

@@ -1,14 +1,14 @@
 """What a run's models are and where their weights come from.
 
 One place turns a run's configuration (``train.core.config.TrainConfig``) into the chat codec, the
-model's :class:`~train.model.qwen3.ModelConfig` and initial weights, so that ``train.run``,
-``train.export``, ``train.evaluate``, ``train.plan`` and ``train.sft`` agree on them:
+model's `ModelConfig` and initial weights, so that ``train.run``, ``train.export``,
+``train.evaluate``, ``train.plan`` and ``train.sft`` agree on them:
 
-* **the source of the initial policy** (:func:`model_source`): ``--init-from`` (a Hugging Face
+* **the source of the initial policy** (`model_source`): ``--init-from`` (a Hugging Face
   folder such as an export, or a run directory whose latest actor is read), else
   ``--model-path`` (a Hugging Face folder), else a tiny random Qwen3-architecture model seeded by
   ``--seed``. The reference model is the same source read again, never a stored copy.
-* **the codec** (:func:`run_codec`): the environment's own (the synthetic word tasks), or for the
+* **the codec** (`run_codec`): the environment's own (the synthetic word tasks), or for the
   chat environments the chat format of ``--tokenizer-path``, else of the source's folder, else
   the bundled Qwen3 tokenizer; checked against the model's vocabulary.
 * **precision**: ``--param-dtype`` for the weights, ``--compute-dtype`` (``auto``: bfloat16 on
@@ -240,7 +240,7 @@ def restore_model(run_dir: str | Path, mc: ModelConfig, *, step=None, part: str 
 
 def lora_config(cfg: TrainConfig, mc: ModelConfig) -> ModelConfig:
     """``mc`` with ``cfg``'s adapters (``--lora-targets`` checked against the model's
-    projections: :func:`train.model.lora.check_targets`)."""
+    projections: [`train.model.lora.check_targets`][train.model.lora.check_targets])."""
     from train.model.lora import check_targets
 
     targets = check_targets(cfg.lora_target_names(), mc)
@@ -282,7 +282,7 @@ class RestoredAdapters:
 
 
 def restore_adapters(run: TrainConfig, checkpoints, mc: ModelConfig, step, cls):
-    """The :class:`RestoredAdapters` of ``cls`` (the actor or the critic) at ``step``; raises
+    """The `RestoredAdapters` of ``cls`` (the actor or the critic) at ``step``; raises
     ``ValueError`` naming both fingerprints when the base read now is not the checkpoint's."""
     from train.model.lora import fingerprint
 

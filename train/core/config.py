@@ -3,13 +3,13 @@
     python -m train.run --preset mpo --env synthetic-nav --steps 200 --lr 3e-4
 
 ``TrainConfig`` is one flat dataclass (flags are its field names with dashes, each with the help
-string of :data:`HELP`); ``--algo-set beta=0.3`` overrides any field of the algorithm preset
+string of `HELP`); ``--algo-set beta=0.3`` overrides any field of the algorithm preset
 (``mpo_jax.algorithms.Algorithm``), and ``--env-set max_turns=8`` passes options to the
 environment. The resolved configuration is saved as ``config.json`` in the run directory (with the
 resolved algorithm beside it, for reading); ``--config FILE`` reads one back (flags still win).
 
 ``--resume`` starts from the run directory's own ``config.json``: a flag given beside it that
-differs from the run's value is refused, naming the field, except the fields of :data:`RESUMABLE`
+differs from the run's value is refused, naming the field, except the fields of `RESUMABLE`
 (how long to run and how often to evaluate, checkpoint and show progress), which may change.
 """
 
@@ -252,7 +252,7 @@ class TrainConfig:
 
     def lora_target_names(self) -> tuple[str, ...]:
         """The projection names ``--lora-targets`` stands for (``all``, ``attention``, ``mlp``
-        or a comma-separated list of :data:`~train.model.lora.LORA_TARGETS`)."""
+        or a comma-separated list of `LORA_TARGETS`)."""
         groups = {"all": LORA_TARGETS, "attention": LORA_TARGETS[:4], "mlp": LORA_TARGETS[4:]}
         if self.lora_targets in groups:
             return groups[self.lora_targets]
@@ -550,8 +550,8 @@ def read_run_config(path: Path) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    """Flags for every field of :class:`TrainConfig` (plus ``--config FILE``); with
-    ``--resume``, the run directory's ``config.json`` (see the module docstring)."""
+    """Flags for every field of [`TrainConfig`][train.core.config.TrainConfig] (plus ``--config
+    FILE``); with ``--resume``, the run directory's ``config.json`` (see the module docstring)."""
     args = _parser().parse_args(argv)
     values: dict[str, Any] = {}
     if args.config:

@@ -1,12 +1,12 @@
 """Several hosts, one program: ``jax.distributed`` set-up and moving data between host and mesh.
 
 Every host runs the same trainer (JAX's multi-controller model). Each rolls out its share of a
-step's tasks with a sampler on its own devices (:func:`host_share`), then the hosts exchange their
-rollouts (:func:`gather_rollouts`), so that every host holds the same global batch, computes the
+step's tasks with a sampler on its own devices (`host_share`), then the hosts exchange their
+rollouts (`gather_rollouts`), so that every host holds the same global batch, computes the
 same advantages and feeds the same global arrays to the sharded update. With one process every
 function here is the identity.
 
-Initialisation (:func:`initialize_from_env`) follows the usual environment:
+Initialisation (`initialize_from_env`) follows the usual environment:
 
 - ``JAX_COORDINATOR_ADDRESS`` (host:port), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``: explicit;
 - otherwise a cluster JAX detects itself (SLURM with more than one task, Open MPI, TPU pods):
@@ -136,10 +136,10 @@ _FLAGS = ("success", "truncated", "length_cut")
 
 
 def gather_rollouts(rollouts):
-    """Every host's :class:`envs.rollout.Rollouts` as one global ``Rollouts``, rows in process
-    order. Ragged parts (step-key and boundary widths, answer ids) are padded to the widest host;
-    step-key ids are made distinct per host; episodes keep the fields the metrics read, the
-    environments' own figures included (absent ones travel as NaN and are dropped again)."""
+    """Every host's [`envs.rollout.Rollouts`][envs.rollout.Rollouts] as one global ``Rollouts``,
+    rows in process order. Ragged parts (step-key and boundary widths, answer ids) are padded to the
+    widest host; step-key ids are made distinct per host; episodes keep the fields the metrics read,
+    the environments' own figures included (absent ones travel as NaN and are dropped again)."""
     if not is_multiprocess():
         return rollouts
     b = rollouts.batch

@@ -2,11 +2,11 @@
 
 A step's ``prompts`` tasks are seeded ``offset + seed * 1_000_003 + step * prompts + p``, so a
 resumed run sees the same data as an uninterrupted one; each process builds its share of them
-(:func:`train.core.distributed.host_share`) with ``group`` rollouts each, and the group ids are
+(`train.core.distributed.host_share`) with ``group`` rollouts each, and the group ids are
 global.
 
-Before a run starts, :func:`length_budget` sizes ``--max-len`` from the environment's longest
-episode and :func:`fit_tasks` checks every task of a split: its prompt plus one turn must fit.
+Before a run starts, `length_budget` sizes ``--max-len`` from the environment's longest
+episode and `fit_tasks` checks every task of a split: its prompt plus one turn must fit.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def make_episodes(
 
 
 def length_budget(max_len: int, env, codec, *, name: str, say: Callable[[str], None]) -> int:
-    """``max_len``, or (0) the environment's longest episode (:data:`DEFAULT_MAX_LEN` where it
+    """``max_len``, or (0) the environment's longest episode (`DEFAULT_MAX_LEN` where it
     cannot say); says so when a given budget cannot hold the longest episode."""
     longest = env.max_episode_tokens(codec)
     if not max_len:

@@ -1,12 +1,13 @@
 """Held-out evaluation: one set of tasks played by the policy, scored the same way everywhere.
 
-The trainer's periodic evaluation and ``python -m train.evaluate`` both call :func:`evaluate_set`:
-``episodes`` tasks (seeded apart from training's, :data:`train.core.episodes.EVAL_TASK_OFFSET`) x
-``k`` samples each, played on the run's rollout engine (``train.engine.rollouts.play``); the result
-is the success rate, unbiased pass@1 and pass@k (Chen et al. 2021), and the environment's own
-figures (exact match, F1, evidence recall, database match, questions passed) as means over the
-episodes that report them, each under ``eval_<name>_*``. With ``transcripts=True`` it also
-returns every episode's conversation as text, with its outcome.
+The trainer's periodic evaluation and ``python -m train.evaluate`` both call
+[`evaluate_set`][train.core.evaluation.evaluate_set]: ``episodes`` tasks (seeded apart from
+training's, `train.core.episodes.EVAL_TASK_OFFSET`) x ``k`` samples each, played on the run's
+rollout engine (``train.engine.rollouts.play``); the result is the success rate, unbiased pass@1 and
+pass@k (Chen et al. 2021), and the environment's own figures (exact match, F1, evidence recall,
+database match, questions passed) as means over the episodes that report them, each under
+``eval_<name>_*``. With ``transcripts=True`` it also returns every episode's conversation as text,
+with its outcome.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def evaluate_after_save(
 ) -> dict[str, float]:
     """Runs ``evaluate()`` for a step whose metrics line and checkpoint are already written, and
     adds its figures to that line (``log.amend``). When it raises, the traceback goes to
-    ``run_dir/errors/evaluation-step<N>.txt`` and :class:`EvaluationFailed` says so in one line:
+    ``run_dir/errors/evaluation-step<N>.txt`` and
+    [`EvaluationFailed`][train.core.evaluation.EvaluationFailed] says so in one line:
     the step's training is kept, and ``--resume`` runs this evaluation again first."""
     try:
         figures = evaluate()

@@ -3,10 +3,10 @@ jitted actor and critic updates.
 
 Everything here is a pure function of parameter pytrees and arrays; models enter as nnx graphdefs
 (``nnx.split``) so that ``jax.jit`` sees plain pytrees. Parameters are an nnx.State or, for a
-LoRA run, :class:`~train.model.lora.Adapted` (a frozen base and the adapters): the gradient
+LoRA run, [`Adapted`][train.model.lora.Adapted] (a frozen base and the adapters): the gradient
 functions then differentiate the adapters alone. The trunk reads whole token rows
 ``tokens`` [B, T]; everything a loss reads is computed at the action tokens alone, compacted to
-[B, A] by :class:`ActionRows` (``positions[b, a]`` is the a-th action token of row b): the
+[B, A] by `ActionRows` (``positions[b, a]`` is the a-th action token of row b): the
 151,936-way softmax of the LM head runs on the tokens the policy sampled, not on prompts,
 observations and padding. Conventions at a position p = positions[b, a]:
 
@@ -187,7 +187,7 @@ def token_values(graphdef, params, tokens, positions):
 
 
 def values_and_bootstrap(graphdef, params, tokens, positions, lengths):
-    """(values [B, A], bootstrap [B]): the values of :func:`token_values` and, per row, the value
+    """(values [B, A], bootstrap [B]): the values of `token_values` and, per row, the value
     of the conversation ``tokens[b, :lengths[b]]`` (the state after its last token), which is
     the bootstrap value of a truncated episode; it exists even for a row filling all T columns."""
     model = bind(graphdef, params)
@@ -227,7 +227,7 @@ def answer_logprobs(graphdef, params, tokens, prefix_lengths, answer, answer_len
 
 def _trainable_grad(loss_fn):
     """``value_and_grad`` of ``loss_fn(params, ...)`` with respect to what trains: the whole
-    state, or for :class:`~train.model.lora.Adapted` parameters the adapters alone (the frozen
+    state, or for [`Adapted`][train.model.lora.Adapted] parameters the adapters alone (the frozen
     base gets no gradient, so none is computed or held)."""
 
     def fn(params, *args):
@@ -379,12 +379,13 @@ def token_budget_groups(
     """Rows in micro-batches of at most ``max_tokens`` padded tokens: (row indices, rows to pad
     to) of each.
 
-    Rows are taken longest first; a micro-batch is as wide as :func:`mpo_jax.batch.padded_length`
-    of its first (longest) row, W, and holds up to ``max(1, max_tokens // W)`` rows (rounded
-    down to a multiple of ``multiple``, the data-parallel ways, but never below it). Its row
-    count is padded up to a power of two (then to a multiple of ``multiple``), never past that
-    cap, so that a run compiles a few shapes per width rather than one per row count. A row
-    longer than the budget gets a micro-batch of its own (``multiple`` rows)."""
+    Rows are taken longest first; a micro-batch is as wide as
+    [`mpo_jax.batch.padded_length`][mpo_jax.batch.padded_length] of its first (longest) row, W, and
+    holds up to ``max(1, max_tokens // W)`` rows (rounded down to a multiple of ``multiple``, the
+    data-parallel ways, but never below it). Its row count is padded up to a power of two (then to a
+    multiple of ``multiple``), never past that cap, so that a run compiles a few shapes per width
+    rather than one per row count. A row longer than the budget gets a micro-batch of its own
+    (``multiple`` rows)."""
     lengths = np.asarray(lengths)
     order = np.argsort(-lengths, kind="stable")
     out = []
@@ -403,8 +404,8 @@ def token_budget_groups(
 def budget_micro_batches(
     batch: TurnBatch, max_tokens: int, names=(), *, multiple: int = 1
 ) -> list[tuple[np.ndarray, ActionRows]]:
-    """(row indices, their :class:`ActionRows` padded with empty rows) of each micro-batch of
-    :func:`token_budget_groups`: what the update and scoring share (``--micro-batch-tokens``)."""
+    """(row indices, their `ActionRows` padded with empty rows) of each micro-batch of
+    `token_budget_groups`: what the update and scoring share (``--micro-batch-tokens``)."""
     groups = token_budget_groups(batch.row_lengths(), max_tokens, multiple=multiple)
     return [
         (rows, ActionRows.of(batch.take_rows(rows), names).pad_rows(padded))
@@ -413,10 +414,10 @@ def budget_micro_batches(
 
 
 def split_micro(batch: TurnBatch, parts: int, names=(), *, max_tokens: int = 0, multiple: int = 1):
-    """Splits the rows of a minibatch into micro-batches as :class:`ActionRows`: tokens narrowed
+    """Splits the rows of a minibatch into micro-batches as `ActionRows`: tokens narrowed
     to the padded length of the micro-batch's longest row (what a loss reads ends at a row's last
     action token), the ``names`` fields compacted to its action tokens. ``parts`` micro-batches of
-    equal row counts, or with ``max_tokens`` the groups of :func:`token_budget_groups` (rows of
+    equal row counts, or with ``max_tokens`` the groups of `token_budget_groups` (rows of
     similar length together, each micro-batch at most that many padded tokens). The losses are
     sums over micro-batches (normalised by the whole minibatch), so the update is the same
     whichever split is used."""

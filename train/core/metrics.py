@@ -1,6 +1,6 @@
 """Run observability: ``metrics.jsonl`` (one JSON object per step), the trackers beside it
-(TensorBoard by default; W&B, Trackio: :mod:`train.core.trackers`), a progress bar with the live
-success rate, unbiased pass@k, and the phase timer of a step."""
+(TensorBoard by default; W&B, Trackio: [`train.core.trackers`][train.core.trackers]), a progress bar
+with the live success rate, unbiased pass@k, and the phase timer of a step."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 class MetricsLog:
     """Appends to ``metrics.jsonl``; on resume, drops the lines of steps after the checkpoint
     (they will be run again), so the file never holds a step twice. Each line's numbers also go
-    to the trackers ``loggers`` names (:func:`train.core.trackers.open_trackers`; ``config``:
+    to the trackers ``loggers`` names
+    ([`train.core.trackers.open_trackers`][train.core.trackers.open_trackers]; ``config``:
     the run's configuration they record, ``config.json``'s by default)."""
 
     def __init__(
@@ -71,7 +72,7 @@ class MetricsLog:
         self.bar.update(1)
 
     def _append(self, metrics: dict[str, Any]) -> None:
-        """Appends ``metrics`` as a line, remembering where it starts (for :meth:`amend`)."""
+        """Appends ``metrics`` as a line, remembering where it starts (for `amend`)."""
         self.file.flush()
         self._last = (self.file.tell(), dict(metrics))
         self.file.write(json.dumps(metrics) + "\n")
@@ -118,7 +119,7 @@ class MetricsLog:
 
 
 class PhaseTimer:
-    """Wall time of a step's phases: ``with timer("rollout"): ...``; :meth:`metrics` gives
+    """Wall time of a step's phases: ``with timer("rollout"): ...``; `metrics` gives
     ``<phase>_s``, ``<phase>_tok_s`` (tokens per second) and ``<phase>_frac`` (share of the
     timed total) for each phase, in the order they ran."""
 

@@ -11,10 +11,11 @@ weights are held is this module's one job:
   the critic the base's trunk (the same arrays) plus its own adapters and a value head trained in
   full, the reference the base under the unadapted model's graph: no second or third copy of the
   base. The sampler and the inference servers get merged weights, ``W + (α / r) A B``
-  (:func:`train.model.lora.merge_weights`), once per published version.
+  ([`train.model.lora.merge_weights`][train.model.lora.merge_weights]), once per published version.
 
-The trainer's state holds what trains (:attr:`Roles.trainable`); :meth:`Roles.params` gives what a
-scoring or loss function reads, and :meth:`Roles.sampling` what generation reads.
+The trainer's state holds what trains (`Roles.trainable`);
+[`Roles.params`][train.core.roles.Roles.params] gives what a scoring or loss function reads, and
+[`Roles.sampling`][train.core.roles.Roles.sampling] what generation reads.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class Roles:
 
     def params(self, which: str, trainable):
         """What ``which``'s scoring and loss functions read: its trainable state, beside its
-        frozen base for LoRA (:class:`~train.model.lora.Adapted`)."""
+        frozen base for LoRA ([`Adapted`][train.model.lora.Adapted])."""
         return Adapted(self.frozen[which], trainable) if self.lora else trainable
 
     def sampling(self, actor_trainable):

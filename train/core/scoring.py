@@ -5,11 +5,11 @@ sampling temperature (``old_logp``: the proximal policy of the update), the crit
 bootstrap values, the reference model's log-probs, and TRACE's answer log-probs at each tool-call
 boundary. Rows are sorted by length and scored ``rows`` at a time (the update's micro-batch), or in
 groups of at most ``max_tokens`` padded tokens (``--micro-batch-tokens``), each
-group narrowed to :func:`mpo_jax.batch.padded_length` of its longest row and its log-probs and
-values computed at its action tokens alone (:class:`train.core.learner.ActionRows`): a batch of
-mostly short episodes runs short programs, no program holds more than one micro-batch's activations,
-and the vocabulary-wide softmax never runs on prompts, observations or padding. The results come
-back as [B, T] arrays (zero off the action tokens), the layout credit assignment reads.
+group narrowed to [`mpo_jax.batch.padded_length`][mpo_jax.batch.padded_length] of its longest row
+and its log-probs and values computed at its action tokens alone (`train.core.learner.ActionRows`):
+a batch of mostly short episodes runs short programs, no program holds more than one micro-batch's
+activations, and the vocabulary-wide softmax never runs on prompts, observations or padding. The
+results come back as [B, T] arrays (zero off the action tokens), the layout credit assignment reads.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ __all__ = ["Scorer"]
 
 
 def _logprobs_only(graphdef, params, tokens, positions, *, temperature: float):
-    """:func:`train.core.learner.token_logprobs` without the entropy, which scoring does not read
+    """`train.core.learner.token_logprobs` without the entropy, which scoring does not read
     (returned, it would be computed: a second pass over every [token, vocabulary] logit)."""
     return token_logprobs(graphdef, params, tokens, positions, temperature=temperature)[0]
 
@@ -45,7 +45,7 @@ def _pad(x: np.ndarray, n: int) -> np.ndarray:
 
 class Scorer:
     """Args: rows (a group's rows: the micro-batch), max_tokens (instead: groups of at most this
-    many padded tokens, :func:`train.core.learner.budget_micro_batches`; ``multiple`` rows a
+    many padded tokens, `train.core.learner.budget_micro_batches`; ``multiple`` rows a
     group's row count divides by), temperature (of the sampler), put (a host array -> a jit
     input, sharded where a mesh is set), to_host (a device array -> NumPy)."""
 
@@ -70,7 +70,7 @@ class Scorer:
         self._answers = jax.jit(answer_logprobs, static_argnums=0)
 
     def groups(self, batch: TurnBatch) -> list[tuple[np.ndarray, ActionRows]]:
-        """(row indices, their :class:`ActionRows`) of each group: rows sorted by length,
+        """(row indices, their `ActionRows`) of each group: rows sorted by length,
         ``rows`` a group (or ``max_tokens`` padded tokens a group)."""
         if self.max_tokens:
             return budget_micro_batches(batch, self.max_tokens, multiple=self.multiple)
@@ -118,7 +118,7 @@ class Scorer:
 
     def answers(self, graphdef, params, tokens, prefix_lengths, answers, answer_lengths):
         """[N] TRACE's mean answer log-probs after each prefix (see
-        :func:`train.core.learner.answer_logprobs`), ``rows`` prefixes a call, each group narrowed
+        `train.core.learner.answer_logprobs`), ``rows`` prefixes a call, each group narrowed
         to its longest prefix (the last group padded with copies of its first row)."""
         n = len(tokens)
         out = np.zeros(n, np.float32)

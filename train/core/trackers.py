@@ -63,7 +63,8 @@ def parse_loggers(text: str) -> tuple[str, ...]:
 
 
 def check_loggers(text: str) -> tuple[str, ...]:
-    """:func:`parse_loggers`, and a refusal naming the extra of a tracker not installed."""
+    """[`parse_loggers`][train.core.trackers.parse_loggers], and a refusal naming the extra of a
+    tracker not installed."""
     names = parse_loggers(text)
     for name in names:
         module = _EXTRAS.get(name)

@@ -1,6 +1,7 @@
 """The trainer: one run's models, optimizers, environments and sampler, and its step.
 
-The loop is :meth:`Trainer.step`, one call into a module with one job per phase:
+The loop is [`Trainer.step`][train.core.trainer.Trainer.step], one call into a module with one job
+per phase:
 
     rollouts = play(envs, codec, sampler)        train/engine/ (rollout engine, KV-cache sampler)
     batch    = score(rollouts)                   train/core/scoring.py (old/ref log-probs, values)
@@ -257,8 +258,10 @@ class Trainer:
 
     def step(self, step: int, rollouts=None) -> dict[str, float]:
         """One RL step: rollout (or the ``rollouts`` an asynchronous worker made), scoring,
-        credit, update. Evaluation is not part of it: :meth:`evaluate` runs when
-        :meth:`evaluation_due`, after the step's metrics and checkpoint are written."""
+        credit, update. Evaluation is not part of it:
+        [`evaluate`][train.core.trainer.Trainer.evaluate] runs when
+        [`evaluation_due`][train.core.trainer.Trainer.evaluation_due], after the step's metrics and
+        checkpoint are written."""
         timer = PhaseTimer()
         with timer("rollout"):
             rollouts = self.rollout(step) if rollouts is None else rollouts
@@ -362,7 +365,7 @@ class Trainer:
         """The batch with old (actor) and reference log-probs, critic values and bootstrap values
         (the critic's value after the last action token, for truncated rows; 0 for finished
         ones), and TRACE's answer log-probs, scored micro-batch by micro-batch
-        (:class:`train.core.scoring.Scorer`); plus what scoring measures (sampler gap, KL to the
+        (`train.core.scoring.Scorer`); plus what scoring measures (sampler gap, KL to the
         reference)."""
         b, scorer, actor = rollouts.batch, self.scorer, self.models.actor
         groups, shape = scorer.groups(b), b.tokens.shape
@@ -627,8 +630,9 @@ class Trainer:
         """Success rate, unbiased pass@k and the environment's own figures on held-out tasks
         (``eval_heldout_*``: the environment's ``--eval-split``, by default tasks training never
         draws) and, for small task spaces, on fresh episodes of the training split
-        (``eval_fresh_*``); :func:`train.core.evaluation.evaluate_set`. The same tasks at every
-        evaluation, so the numbers are comparable; sampling keys of their own stream."""
+        (``eval_fresh_*``);
+        [`train.core.evaluation.evaluate_set`][train.core.evaluation.evaluate_set]. The same tasks
+        at every evaluation, so the numbers are comparable; sampling keys of their own stream."""
         name = "heldout" if self.cfg.eval_split == "test" else self.cfg.eval_split
         out = self._evaluate_set(step, name, self.eval_options, 0)
         if self.eval_fresh:

@@ -6,7 +6,7 @@ stepped concurrently between chunks.
 
 The lockstep loop (``envs.rollout.collect``) runs rounds: every live episode's turn in one
 generate call, then every environment, then the next round, so each round waits for its longest
-turn and the device idles while tools run. Here a :class:`~train.engine.sampler.Sampler` holds
+turn and the device idles while tools run. Here a [`Sampler`][train.engine.sampler.Sampler] holds
 ``slots`` rows of KV cache (opened once) and the host loop between device programs does:
 
 1. **admit**: a free slot takes the next episode not started (its row is reset and its prompt
@@ -152,7 +152,7 @@ def collect_continuous(
     ``envs.rollout.collect`` (the same episodes, in the same order) with ``stats`` filled.
 
     Args:
-      sampler: a :class:`~train.engine.sampler.Sampler` (its capacity >= ``max_len``).
+      sampler: a [`Sampler`][train.engine.sampler.Sampler] (its capacity >= ``max_len``).
       slots: decode rows (default: one per episode). chunk: decode steps between host visits
         (default ``max_new_tokens``). env_workers: threads stepping environments (0: inline).
       env_timeout: seconds an environment may take to answer a turn (None: no limit; needs
@@ -163,7 +163,7 @@ def collect_continuous(
         one, and recomputes its prefix when it returns (False: it always holds its slot).
       refill: while work waits for a slot or an answer, a chunk ends once this share of its
         live slots ended their turns, so freed slots are handed on sooner (default
-        :data:`REFILL`; 0: chunks run to ``chunk`` steps or until all are done). Where nothing
+        `REFILL`; 0: chunks run to ``chunk`` steps or until all are done). Where nothing
         waits (a slot per episode, environments stepped inline) it changes nothing.
 
     Raises ``ValueError`` for a bad slot, chunk or worker count, or a prompt with no room for a

@@ -11,9 +11,10 @@ their log-probs under the weights of ``version`` (the behaviour policy the decou
 token) or ``"length"`` (the budget). Implementations are safe to call from several threads at
 once (the server rollout loop runs an episode a thread).
 
-:class:`SamplerGenerator` puts :class:`~train.engine.sampler.Sampler` behind the interface (one
-request at a time under a lock); the in-process test servers use it, so what they return are real
-tokens and log-probs. :mod:`train.engine.servers` puts vLLM and SGLang behind it.
+[`SamplerGenerator`][train.engine.generator.SamplerGenerator] puts
+[`Sampler`][train.engine.sampler.Sampler] behind the interface (one request at a time under a lock);
+the in-process test servers use it, so what they return are real tokens and log-probs.
+[`train.engine.servers`][train.engine.servers] puts vLLM and SGLang behind it.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Generator(Protocol):
         replica where there are several (an episode keeps its server's prefix cache)."""
 
     def pause(self) -> None:
-        """No new turn starts until :meth:`resume` (in-flight ones finish first)."""
+        """No new turn starts until `resume` (in-flight ones finish first)."""
 
     def resume(self) -> None: ...
 
@@ -74,8 +75,9 @@ class Generator(Protocol):
 
 
 class SamplerGenerator:
-    """A :class:`~train.engine.sampler.Sampler` as a :class:`Generator`: one row, one request at
-    a time (a lock); ``load_weights`` reads a Hugging Face folder with our loader."""
+    """A [`Sampler`][train.engine.sampler.Sampler] as a
+    [`Generator`][train.engine.generator.Generator]: one row, one request at a time (a lock);
+    ``load_weights`` reads a Hugging Face folder with our loader."""
 
     def __init__(self, sampler, *, version: int = 0):
         self.sampler = sampler

@@ -1,4 +1,4 @@
-"""Episodes played against a :class:`~train.engine.generator.Generator` (an inference server):
+"""Episodes played against a [`Generator`][train.engine.generator.Generator] (an inference server):
 one thread an episode, its turns as requests, its environment stepped in its own thread.
 
     out = collect_remote(envs, codec, servers, group_ids=groups, max_len=4096,
@@ -14,8 +14,8 @@ are in flight, so how many requests the servers hold at once. Episode ``i`` send
 What comes back is booked exactly as the local engines book theirs (``envs.rollout``): the same
 padded batch, the server's log-probs as ``sampler_logp`` (the behaviour policy), each token's
 weight version in ``token_versions``. An environment that raises ends its own episode; a server
-that fails (:class:`~train.engine.servers.ServerError`, after its retries) ends the collection
-with that error, naming the server: a rollout without its turns is not a rollout.
+that fails ([`ServerError`][train.engine.servers.ServerError], after its retries) ends the
+collection with that error, naming the server: a rollout without its turns is not a rollout.
 
 Sampling seeds: each turn's request carries ``seed(episode, turn)`` drawn from ``seed``, so a
 server that honours per-request seeds (vLLM does) repeats an episode's samples; the batch a server

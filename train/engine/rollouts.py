@@ -4,11 +4,12 @@
     out = play(envs, codec, sampler, settings, group_ids=groups, max_len=4096,
                max_new_tokens=256, temperature=1.0, seed=key)
 
-``continuous`` (the default) is :func:`train.engine.continuous.collect_continuous`; its defaults
-(a slot per episode, a chunk of a whole turn budget, environments stepped inline) give the
-lockstep rounds' rollouts bit for bit, so a run changes only where a user asks for more slots'
-worth of concurrency. ``lockstep`` is ``envs.rollout.collect``: the reference loop (scripted
-policies in the environment tests use it), kept as a flag to compare against.
+``continuous`` (the default) is
+[`train.engine.continuous.collect_continuous`][train.engine.continuous.collect_continuous]; its
+defaults (a slot per episode, a chunk of a whole turn budget, environments stepped inline) give the
+lockstep rounds' rollouts bit for bit, so a run changes only where a user asks for more slots' worth
+of concurrency. ``lockstep`` is ``envs.rollout.collect``: the reference loop (scripted policies in
+the environment tests use it), kept as a flag to compare against.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ ENGINES = ("continuous", "lockstep")
 class EngineSettings:
     """How episodes are played. 0 means the default: ``slots`` one per episode, ``decode_chunk``
     the turn budget, ``env_workers`` inline stepping, ``env_timeout`` no limit; ``decode_refill``
-    the early chunk end (default :data:`~train.engine.continuous.REFILL`, 0: chunks run to their
-    end; see :func:`train.engine.continuous.collect_continuous`)."""
+    the early chunk end (default `REFILL`, 0: chunks run to their end; see
+    [`train.engine.continuous.collect_continuous`][train.engine.continuous.collect_continuous])."""
 
     engine: str = "continuous"
     slots: int = 0

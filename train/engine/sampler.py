@@ -3,7 +3,8 @@
     gen = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=16, temperature=1.0, stop_ids=(7,))
     gen.tokens[0], gen.logprobs[0]        # new ids of prompt 0 (a stop id ends it) and their logp
 
-Multi-turn rollouts keep the cache alive between turns with :class:`Sampler`:
+Multi-turn rollouts keep the cache alive between turns with
+[`Sampler`][train.engine.sampler.Sampler]:
 
     s = Sampler(model, capacity=4096)
     s.start(prompts)                      # allocates the cache for len(prompts) rows, prefills
@@ -18,8 +19,9 @@ prefilled in chunks of at most ``prefill_chunk`` tokens, and the decode loop is 
 enters a new bucket. Every sampled token (the stop id included) is fed back into the cache, so
 the cache always holds the conversation exactly as sampled. The cache holds ``capacity`` slots a
 row (rounded up to the attention kernel's block) in the model's compute dtype; it is allocated by
-:meth:`Sampler.start` for the rows given and released by :meth:`Sampler.close`, so one sampler
-serves training and evaluation batches of any size.
+[`Sampler.start`][train.engine.sampler.Sampler.start] for the rows given and released by
+[`Sampler.close`][train.engine.sampler.Sampler.close], so one sampler serves training and evaluation
+batches of any size.
 
 Log-probs are those of the distribution the token was sampled from, ``softmax(logits / τ)``
 (plain softmax for τ = 0, greedy), before top-k / top-p filtering: what the learner recomputes
@@ -165,8 +167,8 @@ SPLIT_LAYERS_FROM = 64 * 2**20
 def splits_layers(weights, platform: str) -> bool:
     """Whether a sampler holds ``weights`` (a pytree of arrays or ShapeDtypeStructs: the
     sampler's own state, or the plan's abstract one) one array a layer by default
-    (:func:`train.model.qwen3.unstacked`): on the CPU, whose compiler copies a stacked layer's
-    weights at every decode step, for weights of at least :data:`SPLIT_LAYERS_FROM` bytes in all;
+    (`train.model.qwen3.unstacked`): on the CPU, whose compiler copies a stacked layer's
+    weights at every decode step, for weights of at least `SPLIT_LAYERS_FROM` bytes in all;
     never on accelerators, where the copy would cost device memory."""
     if platform != "cpu":
         return False
@@ -177,17 +179,18 @@ class Sampler:
     """A batch of live conversations sharing one preallocated KV cache.
 
     Args:
-      model: a :class:`train.model.qwen3.Qwen3ForCausalLM` (any module with the same ``extend``).
+      model: a `train.model.qwen3.Qwen3ForCausalLM` (any module with the same ``extend``).
       capacity: the most tokens one conversation may hold (prompt, turns, observations).
-      batch_size: rows (conversations) a batch must have; None: whatever :meth:`start` gets.
+      batch_size: rows (conversations) a batch must have; None: whatever
+        [`start`][train.engine.sampler.Sampler.start] gets.
       prefill_chunk: the most tokens a row prefills in one call (longer prompts and
         observations go in chunks: the attention's working set is chunk x capacity).
       mesh: where the cache lives (rows over the data axes), if anywhere but one device.
       device: a context held around each device program (default: none).
-      split_layers: hold the weights one array a layer (:func:`train.model.qwen3.unstacked`:
+      split_layers: hold the weights one array a layer (`train.model.qwen3.unstacked`:
         a copy of them, made whenever ``state`` is set, that the CPU's decode reads in place);
-        None: :func:`splits_layers` (on the CPU, for weights of at least
-        :data:`SPLIT_LAYERS_FROM` bytes).
+        None: [`splits_layers`][train.engine.sampler.splits_layers] (on the CPU, for weights of at
+        least `SPLIT_LAYERS_FROM` bytes).
     """
 
     def __init__(
@@ -311,12 +314,14 @@ class Sampler:
         self.extend(prompts)
 
     def close(self) -> None:
-        """Releases the cache (a later :meth:`start` allocates a new one)."""
+        """Releases the cache (a later [`start`][train.engine.sampler.Sampler.start] allocates a new
+        one)."""
         self.cache = self.next_logits = None
 
     def open(self, rows: int) -> None:
         """Allocates an empty cache of ``rows`` rows (slots) without prefilling any: rows are
-        then filled with :meth:`reset` and :meth:`extend` one by one (the slot engine)."""
+        then filled with [`reset`][train.engine.sampler.Sampler.reset] and
+        [`extend`][train.engine.sampler.Sampler.extend] one by one (the slot engine)."""
         if self.cache is None or self.cache.k.shape[1] != rows:
             self.cache = None
             self.cache = empty_cache(self.cfg, rows, self.slots, self.mesh)
@@ -326,7 +331,7 @@ class Sampler:
     def reset(self, rows: Sequence[int]) -> None:
         """Empties ``rows`` (their length goes to 0: what the cache held there is never read
         again, attention reads a row's first ``length`` slots only); fill them with
-        :meth:`extend`."""
+        [`extend`][train.engine.sampler.Sampler.extend]."""
         if self.cache is None:
             raise ValueError("reset: no live batch (call start or open first)")
         self.lengths = self.lengths.copy()
@@ -506,7 +511,8 @@ def generate(
     stop_ids: Sequence[int] = (),
     seed: int = 0,
 ) -> Generation:
-    """One turn for a ragged batch of prompts (lists of token ids); see :class:`Sampler`."""
+    """One turn for a ragged batch of prompts (lists of token ids); see
+    [`Sampler`][train.engine.sampler.Sampler]."""
     capacity = max(len(p) for p in prompts) + max_new_tokens
     sampler = Sampler(model, capacity=capacity)
     sampler.start(prompts)

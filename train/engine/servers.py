@@ -1,4 +1,4 @@
-"""vLLM and SGLang servers as :class:`~train.engine.generator.Generator` s, over HTTP.
+"""vLLM and SGLang servers as [`Generator`][train.engine.generator.Generator] s, over HTTP.
 
     servers = connect("vllm", ["http://a:8000", "http://b:8000"], model="my-model")
     gen = servers.generate(ids, max_new_tokens=64, temperature=1.0, stop_ids=(2,), seed=0,
@@ -21,11 +21,12 @@ Token ids in and out, never text:
 
 Several URLs are replicas of one model: an episode's turns go to ``urls[affinity % n]`` so its
 server's prefix cache holds its conversation; weights go to all of them. A request that fails to
-connect or times out is retried (``retries``, backing off); then :class:`ServerError` names the
-server, the endpoint and what went wrong, and the run ends with it (a killed run resumes from its
-last checkpoint). A server's own error answer (HTTP 4xx/5xx) is not retried: it will not change.
-A turn the server aborted (``finish_reason`` ``abort``: an operator's pause in abort mode) is
-asked again from the same ids, never booked as a cut turn.
+connect or times out is retried (``retries``, backing off); then
+[`ServerError`][train.engine.servers.ServerError] names the server, the endpoint and what went
+wrong, and the run ends with it (a killed run resumes from its last checkpoint). A server's own
+error answer (HTTP 4xx/5xx) is not retried: it will not change. A turn the server aborted
+(``finish_reason`` ``abort``: an operator's pause in abort mode) is asked again from the same ids,
+never booked as a cut turn.
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ _KINDS = {"vllm": VLLMServer, "sglang": SGLangServer}
 
 
 class Servers:
-    """Replicas of one model behind the :class:`~train.engine.generator.Generator` interface."""
+    """Replicas of one model behind the [`Generator`][train.engine.generator.Generator]
+    interface."""
 
     def __init__(self, servers: Sequence[Server]):
         if not servers:

@@ -6,10 +6,10 @@ a reload with a version.
     push.last                      # {'write_s', 'reload_s', 'bytes'} of the last push
 
 Each push writes ``<root>/v<version>/`` (``config.json`` and ``model.safetensors``, sharded past
-5 GiB: :func:`train.model.weights.save_pretrained`, the ``train.export`` path) and has every
-server reload it (:meth:`~train.engine.servers.Servers.load_weights`: pause, reload, resume).
-The folder of the version before stays until the next push has landed (a server may still be
-reading it), older ones are deleted. ``root`` must be a path the servers can read at the same
+5 GiB: `train.model.weights.save_pretrained`, the ``train.export`` path) and has every
+server reload it ([`load_weights`][train.engine.servers.Servers.load_weights]: pause, reload,
+resume). The folder of the version before stays until the next push has landed (a server may still
+be reading it), older ones are deleted. ``root`` must be a path the servers can read at the same
 name (a shared or local disk).
 
 Cost: the write is ``bytes / disk bandwidth`` plus the device-to-host copy, the reload the same

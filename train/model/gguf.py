@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's format) as Hugging Face folders that :func:`load_pretrained` reads.
+"""GGUF files (llama.cpp's format) as Hugging Face folders that `load_pretrained` reads.
 
     folder = convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "models/smollm2")
 

@@ -7,27 +7,29 @@ An adapted projection computes
 so a fresh adapter leaves the base's outputs exactly as they were. The layer is flax's own
 ``nnx.LoRALinear`` (its ``nnx.LoRA`` child holds A and B as ``nnx.LoRAParam``, a ``Param``
 subtype that filters apart), with PEFT's scale α / r added, which flax's layer lacks
-(:class:`AdaptedLinear`). Why nnx's layer and not qwix (tunix's LoRA library): qwix rewrites a
-model's ``nnx.Linear`` / ``nnx.Einsum`` calls by interception at trace time, which our scanned
-:class:`~train.model.qwen3.DecoderStack` and its stacked parameter layout would have to be taught;
+([`AdaptedLinear`][train.model.lora.AdaptedLinear]). Why nnx's layer and not qwix (tunix's LoRA
+library): qwix rewrites a model's ``nnx.Linear`` / ``nnx.Einsum`` calls by interception at trace
+time, which our scanned `DecoderStack` and its stacked parameter layout would have to be taught;
 the adapted layer as a module keeps the adapters in the model's own state tree, stacked, named and
 sharded like every other parameter, at the cost of these few lines. QLoRA (qwix's other half) is
 not built.
 
-What is adapted: the projections ``--lora-targets`` names among :data:`LORA_TARGETS` (attention
+What is adapted: the projections ``--lora-targets`` names among `LORA_TARGETS` (attention
 q/k/v/o, the dense MLP's gate/up/down). MoE experts and the router are never adapted (they stay
 frozen); on a MoE layer the MLP names adapt nothing.
 
 One base in memory. The trainer holds the base's parameters once; the actor is
 ``Adapted(base, actor adapters)``, the critic ``Adapted(base's trunk, critic adapters + value
 head)`` (the same arrays, not a copy), and the reference is the base alone under the graph of the
-unadapted model. :func:`bind` turns a graph and either kind of parameters into a model, so every
-scoring and loss function reads both. Generation runs the merged weights (:func:`merge_weights`:
-``W + (α / r) A B``, one copy per published version).
+unadapted model. [`bind`][train.model.lora.bind] turns a graph and either kind of parameters into a
+model, so every scoring and loss function reads both. Generation runs the merged weights
+([`merge_weights`][train.model.lora.merge_weights]: ``W + (α / r) A B``, one copy per published
+version).
 
 Checkpoints hold the adapters and the value head (and their optimizer states) and name their
-base (:func:`fingerprint`); :func:`save_peft` / :func:`load_peft` write and read PEFT's adapter
-folder (``adapter_config.json``, ``adapter_model.safetensors``).
+base ([`fingerprint`][train.model.lora.fingerprint]); [`save_peft`][train.model.lora.save_peft] /
+[`load_peft`][train.model.lora.load_peft] write and read PEFT's adapter folder
+(``adapter_config.json``, ``adapter_model.safetensors``).
 """
 
 from __future__ import annotations
@@ -110,15 +112,16 @@ class Adapted:
 
 
 def bind(graphdef, params) -> nnx.Module:
-    """The model of ``graphdef`` over ``params``: an nnx.State, or :class:`Adapted` (both halves
-    merged; the base's arrays are read, never copied)."""
+    """The model of ``graphdef`` over ``params``: an nnx.State, or
+    [`Adapted`][train.model.lora.Adapted] (both halves merged; the base's arrays are read, never
+    copied)."""
     if isinstance(params, Adapted):
         return nnx.merge(graphdef, params.base, params.adapters)
     return nnx.merge(graphdef, params)
 
 
 def _projections(cfg) -> list[str]:
-    """The projection names of :data:`LORA_TARGETS` that ``cfg`` has in at least one layer (the
+    """The projection names of `LORA_TARGETS` that ``cfg`` has in at least one layer (the
     MLP's only where some layer is dense: MoE experts are not adapted)."""
     dense = any(not cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
     return [t for t in LORA_TARGETS if t in _ATTENTION or dense]
@@ -232,7 +235,7 @@ def save_peft(folder, adapters: nnx.State, cfg, *, base_path: str | None, base_h
     """Writes ``adapters`` of a model of ``cfg`` as PEFT's LoRA folder: ``adapter_config.json``
     (r, α, the exact modules as a regex) and ``adapter_model.safetensors`` (``lora_A.weight``
     [r, d_in] = Aᵀ, ``lora_B.weight`` [d_out, r] = Bᵀ, under
-    ``base_model.model.<module>``), plus :data:`PEFT_BASE_FILE` naming the base."""
+    ``base_model.model.<module>``), plus `PEFT_BASE_FILE` naming the base."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
@@ -284,7 +287,7 @@ def load_peft(
 ) -> nnx.State:
     """The adapters of a PEFT LoRA folder in the layout of ``like`` (the abstract adapters of a
     model of ``cfg``). Refused, naming the folder: a folder made on another base (its
-    :data:`PEFT_BASE_FILE` fingerprint differs from ``base_hash``) or architecture, a tensor
+    `PEFT_BASE_FILE` fingerprint differs from ``base_hash``) or architecture, a tensor
     whose shape does not fit, a module this model does not adapt or one it lacks (``flag``: the
     command's flag for the folder)."""
     from safetensors.numpy import load_file

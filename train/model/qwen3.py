@@ -52,7 +52,7 @@ SUPPORTED_ARCHITECTURES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The architecture, read from a Hugging Face ``config.json`` (:meth:`from_hf`).
+    """The architecture, read from a Hugging Face ``config.json`` (`from_hf`).
 
     ``dtype`` is the activations' dtype, ``param_dtype`` the parameters'.
     """
@@ -104,7 +104,7 @@ class ModelConfig:
 
     def layer_segments(self) -> list[tuple[int, int]]:
         """(first layer, count) of each run of consecutive layers of one kind (dense or MoE):
-        the model's :class:`DecoderStack` s (one a layer without ``stack_layers``)."""
+        the model's `DecoderStack` s (one a layer without ``stack_layers``)."""
         if not self.stack_layers:
             return [(layer, 1) for layer in range(self.num_layers)]
         out: list[tuple[int, int]] = []
@@ -312,7 +312,7 @@ def _write_rows(
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention; optional q/k RMSNorm before RoPE; :func:`kernels.attention`
+    """Grouped-query attention; optional q/k RMSNorm before RoPE; `kernels.attention`
     (blockwise online softmax, float32 scores: no [T, T] matrix per head is kept)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -494,7 +494,7 @@ REMAT_POLICIES = {
 
 class DecoderStack(nnx.Module):
     """Consecutive decoder layers of one kind (dense or MoE), their parameters stacked on a
-    leading ``layers`` axis (one :class:`DecoderLayer` holding ``count`` layers' weights) and run
+    leading ``layers`` axis (one `DecoderLayer` holding ``count`` layers' weights) and run
     by ``jax.lax.scan``: one layer's program whatever the depth (compile time independent of
     it), and a per-layer ``jax.checkpoint`` that every backend honours (the scan keeps the
     recomputation in the backward loop, where no compiler can merge it with the forward).
@@ -527,7 +527,7 @@ class DecoderStack(nnx.Module):
     def extend(
         self, x, positions, causal, cache: KVCache, offsets, rows=None
     ) -> tuple[jax.Array, KVCache]:
-        """:meth:`DecoderLayer.extend` through the stack; ``cache`` is the model's whole cache,
+        """`DecoderLayer.extend` through the stack; ``cache`` is the model's whole cache,
         updated in place (the scan carries it) at this stack's layers."""
         graphdef, state = nnx.split(self.layer)
 
@@ -544,7 +544,7 @@ class DecoderStack(nnx.Module):
 
 
 def unstacked(model: nnx.Module) -> tuple[nnx.GraphDef, Callable[[nnx.State], nnx.State]]:
-    """The graph of ``model`` with one :class:`DecoderStack` a layer, and the function that
+    """The graph of ``model`` with one `DecoderStack` a layer, and the function that
     lays a state of ``model`` out for it (layer ``first + j`` of a stack: its own arrays, a
     copy of entry j; a state laid out already is returned as it is).
 
@@ -588,8 +588,8 @@ def _names(var) -> tuple:
 class Qwen3Model(nnx.Module):
     """The backbone: embedding, decoder layers, final norm -> hidden states [B, T, D].
 
-    The layers are :class:`DecoderStack` s, one per run of layers of one kind
-    (:meth:`ModelConfig.layer_segments`: a single stack for Qwen3 dense and Qwen3-30B-A3B)."""
+    The layers are `DecoderStack` s, one per run of layers of one kind
+    (`ModelConfig.layer_segments`: a single stack for Qwen3 dense and Qwen3-30B-A3B)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -611,7 +611,7 @@ class Qwen3Model(nnx.Module):
         valid (non-padding) keys. Causal by position. ``segment_starts``: int [B, T], the column
         where each token's own sequence starts, for several sequences packed in a row: a token
         attends within its own sequence only, and positions (default) restart at each start.
-        Each layer is rematerialised as ``cfg.remat`` says (:data:`REMAT_POLICIES`)."""
+        Each layer is rematerialised as ``cfg.remat`` says (`REMAT_POLICIES`)."""
         b, t = input_ids.shape
         cols = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         causal = None  # a full causal sequence: the kernel may use cuDNN
@@ -638,7 +638,7 @@ class Qwen3Model(nnx.Module):
           offsets: int [B], how many tokens each row already has in the cache (the new tokens take
             positions and slots offsets[b], offsets[b] + 1, ...).
           n_new: int [B], how many of the L columns are real for each row (0 leaves a row as is).
-          cache: the :class:`KVCache`; slots past its capacity are dropped.
+          cache: the `KVCache`; slots past its capacity are dropped.
           rows: int [B], the cache row each of the B rows lives in (distinct; default: row b in
             cache row b): a few rows of a larger cache are extended without the others.
 
@@ -690,7 +690,7 @@ class Qwen3ForCausalLM(nnx.Module):
         return (logits, hidden) if return_hidden else logits
 
     def extend(self, input_ids, offsets, n_new, cache: KVCache, rows=None):
-        """:meth:`Qwen3Model.extend`, returning the next-token logits [B, vocab] after each row's
+        """`Qwen3Model.extend`, returning the next-token logits [B, vocab] after each row's
         last new token (computed for that one position only) and the updated cache."""
         hidden, cache = self.model.extend(input_ids, offsets, n_new, cache, rows)
         last = jnp.take_along_axis(hidden, jnp.maximum(n_new - 1, 0)[:, None, None], axis=1)

@@ -1,7 +1,7 @@
 """Sharding as a table of rules: logical axis names on parameters -> axes of a device mesh.
 
 Every parameter of ``train.model.qwen3`` carries logical names (``vocab``, ``embed``, ``heads``,
-``kv_heads``, ``mlp``, ``expert``); :data:`DEFAULT_RULES` maps them onto a mesh with axes
+``kv_heads``, ``mlp``, ``expert``); `DEFAULT_RULES` maps them onto a mesh with axes
 (``data``, ``fsdp``, ``tensor``, ``expert``). Changing the parallelism layout is a change of the
 mesh shape or of the rules, not of the model code (MaxText's idea). A dimension that its mesh axes
 do not divide is replicated instead.
@@ -112,7 +112,7 @@ def batch_sharding(mesh, rules=DEFAULT_RULES) -> NamedSharding:
 
 
 def batch_ways(mesh, rules=DEFAULT_RULES) -> int:
-    """How many ways :func:`batch_sharding` splits the rows: the product of the data axes' sizes.
+    """How many ways `batch_sharding` splits the rows: the product of the data axes' sizes.
     A batch is placed row-split only when its rows divide by it (the one divisibility rule)."""
     axes = dict(rules)["batch"]
     axes = (axes,) if isinstance(axes, str) else tuple(axes or ())

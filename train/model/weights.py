@@ -12,7 +12,7 @@ The name table is small: Hugging Face ``[out, in]`` linear weights become nnx ``
 checkpoint (``tie_word_embeddings: true``) may still ship ``lm_head.weight`` (the official
 Qwen3-0.6B, 1.7B and 4B do): it is checked against the embedding, tensor row block by row block,
 and must equal it within bfloat16 rounding; the embedding is used (and a checkpoint whose two differ
-is refused). A critic (:class:`train.model.qwen3.Qwen3ValueModel`) reads the same folders (its
+is refused). A critic (`train.model.qwen3.Qwen3ValueModel`) reads the same folders (its
 trunk; ``lm_head.weight`` is not part of it) plus ``value_head.weight``/``value_head.bias`` when an
 exported critic has them.
 """
@@ -62,7 +62,7 @@ _LAYER_TABLE = [
 
 
 def read_config(path: str | Path, **overrides) -> ModelConfig:
-    """The :class:`ModelConfig` of a checkpoint folder's ``config.json``."""
+    """The `ModelConfig` of a checkpoint folder's ``config.json``."""
     file = Path(path) / "config.json"
     if not file.exists():
         raise CheckpointError(f"{path}: no config.json")
@@ -70,7 +70,7 @@ def read_config(path: str | Path, **overrides) -> ModelConfig:
 
 
 def _segment(cfg: ModelConfig, layer: int, name: str) -> tuple[int, int]:
-    """(stack, entry) of a model layer: which :class:`train.model.qwen3.DecoderStack` holds it,
+    """(stack, entry) of a model layer: which `train.model.qwen3.DecoderStack` holds it,
     and where."""
     for s, (first, count) in enumerate(cfg.layer_segments()):
         if first <= layer < first + count:
@@ -220,7 +220,7 @@ def load_pretrained(
       shardings: optional ``{parameter path: jax.sharding.Sharding}`` (e.g.
         ``train.model.sharding.param_shardings`` of the abstract model); each tensor is placed with
         its sharding as it is read.
-      model_cls: :class:`Qwen3ForCausalLM` (default) or :class:`train.model.qwen3.Qwen3ValueModel`
+      model_cls: `Qwen3ForCausalLM` (default) or `train.model.qwen3.Qwen3ValueModel`
         (the trunk, plus a value head when the folder has one; else the head keeps its init).
       remat: the model's ``remat`` (what each layer keeps for the backward pass).
       log: where notes about the checkpoint go (default: stderr).
@@ -392,7 +392,7 @@ def save_pretrained(
     ``model.safetensors.index.json`` (as Hugging Face shards them).
 
     ``dtype`` (e.g. ``jnp.bfloat16``) converts the weights on the way out (default: as held).
-    A critic (:class:`train.model.qwen3.Qwen3ValueModel`) writes its trunk under the causal LM's
+    A critic (`train.model.qwen3.Qwen3ValueModel`) writes its trunk under the causal LM's
     names and its head as ``value_head.weight``/``value_head.bias``.
     """
     path = Path(path)

@@ -7,7 +7,7 @@
 Steps, in this order (each skipped when done, resumed when killed):
 
 1. the starting point on each game: ``python -m train.evaluate`` of the converted model on
-   :data:`START_EPISODES` held-out episodes (``<runs>/start-<game>``);
+   `START_EPISODES` held-out episodes (``<runs>/start-<game>``);
 2. the main comparison: ``guess-the-number`` with ``grpo`` and ``mpo`` at seeds 0, 1, 2
    (seed-major, so a stopped study has both presets at the same seeds);
 3. the extras at one seed: a second game (``frozen-lake``: TextArena's 4x4 board with 3 holes,
@@ -24,7 +24,7 @@ falls as fewer values remain: 0.82, 0.78, 0.69, 0.5) wins 64%. From the converte
 no training episode either; the run after guess-the-number asks whether a model that has learned
 to answer in brackets on one game learns another.
 
-Every run is ``python -m train.run`` with :data:`RUN_FLAGS` (one budget, one learning rate for
+Every run is ``python -m train.run`` with `RUN_FLAGS` (one budget, one learning rate for
 every preset: 3e-5, chosen on a grpo probe at seed 0; the critic presets keep the pretrained
 default critic rate). The report (``--out``, default ``benchmarks/real_model/``): ``results.md``
 (per game and preset: held-out success at the end and its area under the curve, the start
@@ -129,7 +129,7 @@ def start_dir(root: Path, game: str) -> Path:
 
 def evaluate_start(game: str, root: Path, model: str) -> None:
     """``train.evaluate`` of the untrained model on ``game``'s held-out split, one evaluation a
-    seed of :data:`START_SEEDS` into ``start-<game>/seed<k>``, each skipped when done."""
+    seed of `START_SEEDS` into ``start-<game>/seed<k>``, each skipped when done."""
     for seed in START_SEEDS:
         out = start_dir(root, game) / f"seed{seed}"
         _evaluate_held_out(["--model-path", model], game, seed, out, root, f"start of {game}")
@@ -139,7 +139,7 @@ def _evaluate_held_out(
     origin: list[str], game: str, seed: int, out: Path, root: Path, what: str
 ) -> None:
     """``train.evaluate`` of ``origin`` (``--model-path DIR`` or ``--run-dir DIR``) on
-    :data:`START_EPISODES` x :data:`START_K` held-out episodes of ``game`` into ``out``, skipped
+    `START_EPISODES` x `START_K` held-out episodes of ``game`` into ``out``, skipped
     when ``out`` has its metrics already."""
     if (out / "metrics.json").exists():
         return
@@ -171,8 +171,8 @@ def start_point(root: Path, game: str) -> dict[str, Any] | None:
 
 
 def _pooled(files: list[Path]) -> dict[str, Any] | None:
-    """Held-out evaluations (``metrics.json`` files of :data:`START_EPISODES` x
-    :data:`START_K` episodes each) pooled into one start, or None until every file is there."""
+    """Held-out evaluations (``metrics.json`` files of `START_EPISODES` x
+    `START_K` episodes each) pooled into one start, or None until every file is there."""
     if not all(f.exists() for f in files):
         return None
     measured = [json.loads(f.read_text()) for f in files]
@@ -209,7 +209,7 @@ def run_cell(cell: Cell, root: Path, model: str, *, loggers: str | None = None) 
 
 def evaluate_transfer_start(cell: Cell, root: Path) -> None:
     """The start of a cell with ``after``: ``train.evaluate`` of its source's last checkpoint on
-    ``cell.game``'s held-out split, :data:`START_EPISODES` x :data:`START_K` episodes at seed 0
+    ``cell.game``'s held-out split, `START_EPISODES` x `START_K` episodes at seed 0
     (one evaluation, not the converted model's four: the source costs a run already)."""
     origin = ["--run-dir", str(cell.source.run_dir(root))]
     _evaluate_held_out(origin, cell.game, 0, cell.start_dir(root), root,
@@ -217,7 +217,7 @@ def evaluate_transfer_start(cell: Cell, root: Path) -> None:
 
 
 def transfer_start(cell: Cell, root: Path) -> dict[str, Any] | None:
-    """The measured start of a cell with ``after`` (as :func:`start_point`), or None."""
+    """The measured start of a cell with ``after`` (as `start_point`), or None."""
     return _pooled([cell.start_dir(root) / "metrics.json"])
 
 
@@ -295,7 +295,7 @@ def finished_figures(cell: Cell, root: Path, start: float) -> dict[str, Any] | N
 def summarise(
     root: Path, model: str = MODEL, recorded: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Per game: the start and, per preset (a row: :attr:`Cell.name`), every finished seed's
+    """Per game: the start and, per preset (a row: `Cell.name`), every finished seed's
     figures and the mean and 95% bootstrap interval over seeds of the end and the AUC. A row
     that starts from another game's run has its own start (``start`` in each seed's figures):
     the held-out curve and the lift begin there.
@@ -503,9 +503,8 @@ def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, An
     """Exports the best run (``train.export``, float32) to ``<runs>/export-<game>-<preset>-seed<k>``
     (named for the run: a later best run never reuses an earlier one's export), loads it with
     transformers and compares its logits with the run's own on one held-out prompt, then
-    evaluates the export with ``train.evaluate`` on :data:`EXPORT_TASKS` x :data:`EXPORT_K`
-    held-out episodes; ``agrees``: the export's rate lies within the run's last evaluation's
-    Wilson interval."""
+    evaluates the export with ``train.evaluate`` on `EXPORT_TASKS` x `EXPORT_K` held-out episodes;
+    ``agrees``: the export's rate lies within the run's last evaluation's Wilson interval."""
     import jax.numpy as jnp
     import torch
     import transformers

@@ -196,7 +196,7 @@ def thread_limited_env(threads: int) -> dict[str, str]:
 
 
 def child_env(threads: int = 0, cache: Path | None = None) -> dict[str, str]:
-    """A child run's environment: :func:`thread_limited_env`, and JAX's persistent compilation
+    """A child run's environment: `thread_limited_env`, and JAX's persistent compilation
     cache in ``cache`` unless this process already names one (its own wins)."""
     env = thread_limited_env(threads)
     if cache is not None and "JAX_COMPILATION_CACHE_DIR" not in env:
@@ -459,7 +459,8 @@ def plot(results: dict[str, Any], out_dir: Path, panels=ROUND1_PANELS) -> list[P
 
 def check_held_out(names, *, flag: str) -> None:
     """Each environment of a study draws a held-out task before the study's first run
-    (:func:`train.core.preflight.check_split_draws`); ``SystemExit`` naming ``flag`` if not."""
+    ([`train.core.preflight.check_split_draws`][train.core.preflight.check_split_draws]);
+    ``SystemExit`` naming ``flag`` if not."""
     for name in names:
         try:
             check_split_draws(name, {"split": "test"}, flag="--eval-split")

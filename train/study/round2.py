@@ -301,7 +301,7 @@ def ablations(results: dict[str, Any], figure: str = "heldout_final") -> dict[st
     finished), with the mean and 95% bootstrap CI of the differences, and the verdict against
     the paper's sign (MPO better): ``reproduced`` (the interval above 0), ``reversed`` (below
     0), ``within noise`` (it holds 0), ``no pairs``. The comparisons the paper makes no claim
-    on (:data:`COMPARISON_PAIRS`) are called ``MPO ahead`` and ``MPO behind`` instead."""
+    on (`COMPARISON_PAIRS`) are called ``MPO ahead`` and ``MPO behind`` instead."""
     out: dict[str, Any] = {}
     for group, by_variant in results.items():
         mpo = by_variant.get("mpo", {}).get("per_seed", {})

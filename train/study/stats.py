@@ -3,11 +3,11 @@
 Pure NumPy functions on made-up or measured curves (a curve is the held-out success at the
 evaluation steps of one run):
 
-* :func:`normalised_auc`: the area under a curve divided by its step span (trapezoids), so it
+* `normalised_auc`: the area under a curve divided by its step span (trapezoids), so it
   reads as the curve's mean success over training, between 0 and 1 for success rates;
-* :func:`steps_to_threshold`: the first evaluation step at which a curve reaches a threshold;
-* :func:`bootstrap_ci`: the mean over seeds and a percentile-bootstrap 95% interval of it;
-* :func:`mean_band`: per-step mean and bootstrap band of several seeds' curves (the plots).
+* `steps_to_threshold`: the first evaluation step at which a curve reaches a threshold;
+* `bootstrap_ci`: the mean over seeds and a percentile-bootstrap 95% interval of it;
+* `mean_band`: per-step mean and bootstrap band of several seeds' curves (the plots).
 """
 
 from __future__ import annotations
