@@ -36,19 +36,37 @@ demo: $(STAMP)
 # one worker (--dist loadfile), so module fixtures (the search index, tiny models) are built once.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
 
-## test: lint, then the fast test suite (slow tests deselected)
+## test: lint, then the fast test suite (slow tests deselected; the site's check runs in make docs)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -m "not slow" --durations=10 -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -m "not slow and not site" --durations=10 -n $(TEST_WORKERS) --dist loadfile
 
-## docs: the documentation site (guides, the design, the API reference) into site/; warnings fail
-docs: $(STAMP)
+# KaTeX (npm) renders the site's math from files the site ships: nothing is fetched at view time.
+KATEX_VERSION := 0.19.1
+KATEX := docs/assets/katex
+# Debian's Chromium checks the built site in a real browser (tests/test_site.py).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+$(KATEX)/katex.min.js:
+	rm -rf build/katex && mkdir -p build/katex $(KATEX)
+	cd build/katex && npm install --no-audit --no-fund --silent katex@$(KATEX_VERSION)
+	cd build/katex/node_modules/katex/dist && cp -r katex.min.js katex.min.css fonts \
+		--parents contrib/auto-render.min.js $(CURDIR)/$(KATEX)/
+
+.PHONY: chromium
+chromium:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+
+## docs: the documentation site into site/ (warnings fail), then checked in headless Chromium
+docs: $(STAMP) $(KATEX)/katex.min.js chromium
 	$(BIN)/mkdocs build --strict --quiet --site-dir site
+	$(BIN)/python -m pytest -q -m site tests/test_site.py
 
 ## test-all: every test, slow ones included
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not site"
 
 ## notebooks: re-execute notebooks/*.ipynb in place (outputs and figures kept in the files)
 notebooks: $(STAMP)

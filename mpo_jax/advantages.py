@@ -120,11 +120,15 @@ def token_gae(
     bootstrap_value: ArrayLike | None = None,
     method: ScanMethod = "sequential",
 ) -> tuple[jax.Array, jax.Array]:
-    """Token-level GAE over the action tokens (PPO).
+    r"""Token-level GAE over the action tokens (PPO).
 
-    Over the ``loss_mask`` positions p_0 < ... < p_{N-1} of a trajectory:
-    ``δ_i = r_{p_i} + γ V_{p_{i+1}} - V_{p_i}`` (``V_{p_N}`` = ``bootstrap_value``, default 0),
-    ``A_i = δ_i + γλ A_{i+1}``; returns ``= A + V``. Schulman et al. 2016, arXiv:1506.02438.
+    Over the ``loss_mask`` positions $p_0 < \dots < p_{N-1}$ of a trajectory, with
+    $V_{p_N}$ = ``bootstrap_value`` (default 0):
+
+    $$\delta_i = r_{p_i} + \gamma V_{p_{i+1}} - V_{p_i}, \qquad
+      A_i = \delta_i + \gamma \lambda A_{i+1},$$
+
+    and returns $A + V$. Schulman et al. 2016, arXiv:1506.02438.
 
     Args:
       rewards: [B, T].
@@ -138,7 +142,7 @@ def token_gae(
     Returns:
       (advantages, returns), each [B, T], 0 off ``loss_mask``.
 
-    Example:
+    Examples:
       >>> import numpy as np
       >>> adv, ret = token_gae(np.array([[0., 0., 1.]]), np.zeros((1, 3)),
       ...                      np.array([[True, False, True]]), gamma=1.0, lam=1.0)
@@ -169,11 +173,15 @@ def turn_gae(
     turns: Turns | None = None,
     method: ScanMethod = "sequential",
 ) -> tuple[jax.Array, jax.Array]:
-    """Turn-level GAE (turn-PPO): credit decays per turn, whatever the turn's length.
+    r"""Turn-level GAE (turn-PPO): credit decays per turn, whatever the turn's length.
 
-    ``R_k = Σ_{t∈S_k} r_t``; ``δ_k = R_k + γ V_{s_{k+1}} - V_{s_k}`` (``V_{s_K}`` =
-    ``bootstrap_value``, default 0); ``A_k = δ_k + γλ A_{k+1}``. Every token of turn k gets
-    ``A_k``; returns ``G_k = A_k + V_{s_k}``.
+    With $S_k$ the action tokens of turn $k$, $s_k$ its first token and $V_{s_K}$ =
+    ``bootstrap_value`` (default 0):
+
+    $$R_k = \sum_{t \in S_k} r_t, \qquad \delta_k = R_k + \gamma V_{s_{k+1}} - V_{s_k}, \qquad
+      A_k = \delta_k + \gamma \lambda A_{k+1}.$$
+
+    Every token of turn $k$ gets $A_k$; returns $G_k = A_k + V_{s_k}$.
 
     ``turns`` (from [`mpo_jax.segments.turn_structure`][mpo_jax.segments.turn_structure]) skips
     recomputing the structure in the associative form; the sequential form finds turn boundaries
@@ -208,19 +216,21 @@ def multiscale_advantages(
     turns: Turns | None = None,
     method: ScanMethod = "sequential",
 ) -> jax.Array:
-    """Multiscale advantages (MPO's MAE): turn GAE plus a mean-centred intra-turn trace.
+    r"""Multiscale advantages (MPO's MAE): turn GAE plus a mean-centred intra-turn trace.
 
-    Turn part: ``A_k`` from [`turn_gae`][mpo_jax.advantages.turn_gae] with (γ_turn, λ_turn). Inside
-    turn k, over its action tokens t_0 < ... < t_n:
-    ``δ_{t_i} = r_{t_i} + γ_tok V_{t_{i+1}} - V_{t_i}`` for i < n,
-    ``δ_{t_n} = r_{t_n} + γ_turn V_{s_{k+1}} - V_{t_n}``,
-    ``a_{t_i} = Σ_{j=0}^{n-i} (γ_tok λ_tok)^j δ_{t_{i+j}}``, and
+    Turn part: $A_k$ from [`turn_gae`][mpo_jax.advantages.turn_gae] with
+    $(\gamma_{turn}, \lambda_{turn})$. Inside turn $k$, over its action tokens
+    $t_0 < \dots < t_n$:
 
-        Â_t = A_k + β (a_t - mean_{S_k} a).
+    $$\delta_{t_i} = r_{t_i} + \gamma_{tok} V_{t_{i+1}} - V_{t_i} \quad (i < n), \qquad
+      \delta_{t_n} = r_{t_n} + \gamma_{turn} V_{s_{k+1}} - V_{t_n},$$
 
-    This is the least-squares projection of ``A_k + β a`` onto {turn mean = A_k}: every turn's
-    mean advantage is exactly ``A_k`` for any β, and β = 0 is turn-PPO. ``turns``: as in
-    [`turn_gae`][mpo_jax.advantages.turn_gae].
+    $$a_{t_i} = \sum_{j=0}^{n-i} (\gamma_{tok} \lambda_{tok})^j \, \delta_{t_{i+j}}, \qquad
+      \hat A_t = A_k + \beta \big(a_t - \tfrac{1}{|S_k|} \textstyle\sum_{u \in S_k} a_u\big).$$
+
+    This is the least-squares projection of $A_k + \beta a$ onto {turn mean $= A_k$}: every
+    turn's mean advantage is exactly $A_k$ for any $\beta$, and $\beta = 0$ is turn-PPO.
+    ``turns``: as in [`turn_gae`][mpo_jax.advantages.turn_gae].
 
     Returns:
       advantages [B, T], 0 off ``loss_mask``. (The critic's targets stay PPO's: use
@@ -271,7 +281,8 @@ def turn_log_ratio(
     turns: Turns | None = None,
     method: ScanMethod = "sequential",
 ) -> jax.Array:
-    """The turn log-ratio ``L_k = Σ_{t∈S_k} (logp_t - old_logp_t)``, broadcast to the turn's tokens.
+    r"""The turn log-ratio $L_k = \sum_{t \in S_k} (\log \pi_t - \log \pi^{old}_t)$, broadcast to
+    the turn's tokens.
 
     ``reduce="mean"`` divides by ``|S_k|`` (the geometric-mean ratio of GSPO and ST-PPO).
     Differentiable in ``logp``; unclamped (the policy loss clamps before ``exp``). ``turns``
@@ -357,9 +368,10 @@ def group_advantages(
     scale: Literal["std", "none"] = "std",
     eps: float = 1e-6,
 ) -> jax.Array:
-    """Group-relative outcome advantages (GRPO, Dr.GRPO, RLOO).
+    r"""Group-relative outcome advantages (GRPO, Dr.GRPO, RLOO).
 
-    ``A_b = (R_b - base_b) / (std_g + ε)``, with ``base_b`` the mean of b's group (GRPO) or the
+    $A_b = (R_b - \mathrm{base}_b) / (\mathrm{std}_g + \epsilon)$, with $\mathrm{base}_b$ the
+    mean of b's group (GRPO) or the
     leave-one-out mean of the others (``baseline="leave_one_out"``, alias ``"loo"``: RLOO);
     ``scale="none"`` drops the division (Dr.GRPO, RLOO). std is the unbiased (ddof = 1) group
     standard deviation. A group of one gets 0. With either baseline the advantages of a group sum
@@ -374,7 +386,7 @@ def group_advantages(
       [B] advantages (broadcast to tokens with
       [`mpo_jax.batch.broadcast_trajectory_values`][mpo_jax.segments.broadcast_trajectory_values]).
 
-    Example:
+    Examples:
       >>> group_advantages([1.0, 0.0, 1.0, 0.0], [7, 7, 3, 3], scale="none").tolist()
       [0.5, -0.5, 0.5, -0.5]
     """
@@ -395,13 +407,13 @@ def gigpo_advantages(
     scale: Literal["std", "none"] = "std",
     eps: float = 1e-6,
 ) -> jax.Array:
-    """GiGPO per-turn advantages: episode groups plus step groups of identical states.
+    r"""GiGPO per-turn advantages: episode groups plus step groups of identical states.
 
-    Episode part: ``A_E(b)`` = [`group_advantages`][mpo_jax.advantages.group_advantages] of ``R_b =
-    Σ_k r_{b,k}`` by ``group_ids``. Step part: the discounted return from turn k, ``G_{b,k} =
-    Σ_{j>=k} γ^{j-k} r_{b,j}``, normalised within its step group: turns (b, k) of the same prompt
-    group whose state keys are equal. ``A_{b,k} = A_E(b) + ω A_S(b, k)`` (Feng et al. 2025,
-    arXiv:2505.10978).
+    Episode part: $A_E(b)$ = [`group_advantages`][mpo_jax.advantages.group_advantages] of
+    $R_b = \sum_k r_{b,k}$ by ``group_ids``. Step part: the discounted return from turn $k$,
+    $G_{b,k} = \sum_{j \ge k} \gamma^{j-k} r_{b,j}$, normalised within its step group: turns
+    $(b, k)$ of the same prompt group whose state keys are equal.
+    $A_{b,k} = A_E(b) + \omega A_S(b, k)$ (Feng et al. 2025, arXiv:2505.10978).
 
     Args:
       step_rewards: [B, K] per-turn rewards (the outcome on the last turn).
@@ -446,16 +458,17 @@ def trace_turn_credit(
     gamma: float = 0.8,
     normalize: bool = True,
 ) -> jax.Array:
-    """TRACE's turn credit: how much each turn moved the reference model toward the gold answer.
+    r"""TRACE's turn credit: how much each turn moved the reference model toward the gold answer.
 
-    With ``ℓ̄_k`` the reference's mean per-token log-prob of the gold answer at boundary k
-    (k = 0 is the prompt): ``d_k = -ℓ̄_k + ε``, ``V_k = log(d_0 / d_k)``,
-    ``δ_k = V_{k+1} - V_k = log(d_k / d_{k+1})`` (so the deltas telescope), and
+    With $\bar\ell_k$ the reference's mean per-token log-prob of the gold answer at boundary $k$
+    ($k = 0$ is the prompt): $d_k = -\bar\ell_k + \epsilon$, $V_k = \log(d_0 / d_k)$,
+    $\delta_k = V_{k+1} - V_k = \log(d_k / d_{k+1})$ (so the deltas telescope), and
 
-        c_k = Σ_{j<H} γ^j δ_{k+j}   over the deltas that exist,
+    $$c_k = \sum_{j < H} \gamma^j \delta_{k+j} \quad \text{over the deltas that exist,}$$
 
-    divided by the sum of the same weights when ``normalize``. ``d_k`` uses ``max(-ℓ̄_k, 0)`` so a
-    rounding-positive log-prob cannot reach a log of a non-positive number.
+    divided by the sum of the same weights when ``normalize``. $d_k$ uses
+    $\max(-\bar\ell_k, 0)$ so a rounding-positive log-prob cannot reach a log of a
+    non-positive number.
 
     Args:
       answer_logprobs: [B, M] mean log-probs ℓ̄_k (<= 0) at each boundary.

@@ -53,14 +53,18 @@ def aggregate(
     mode: Aggregation = "token_mean",
     turns: Turns | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Aggregates a per-token loss into ``(sum, count)``; the loss is ``sum / count``.
+    r"""Aggregates a per-token loss into ``(sum, count)``; the loss is ``sum / count``.
 
-    Modes (verl's names with underscores), over ``loss_mask`` tokens ℓ_{b,t}:
+    Modes (verl's names with underscores), over the ``loss_mask`` tokens $\ell_{b,t}$, with $n_b$
+    the action tokens of row $b$ and $S_{b,k}$ its turns:
 
-    * ``token_mean``: sum = Σ_{b,t} ℓ, count = number of tokens.
-    * ``seq_mean_token_mean``: sum = Σ_b (Σ_t ℓ / n_b), count = number of non-empty rows.
-    * ``seq_mean_token_sum``: sum = Σ_{b,t} ℓ, count = number of non-empty rows (Dr.GRPO).
-    * ``turn_mean_token_mean``: sum = Σ_{b,k} (Σ_{t∈S_k} ℓ / |S_k|), count = number of turns.
+    * ``token_mean``: sum $= \sum_{b,t} \ell_{b,t}$, count = number of tokens.
+    * ``seq_mean_token_mean``: sum $= \sum_b \frac{1}{n_b} \sum_t \ell_{b,t}$, count = number of
+      non-empty rows.
+    * ``seq_mean_token_sum``: sum $= \sum_{b,t} \ell_{b,t}$, count = number of non-empty rows
+      (Dr.GRPO).
+    * ``turn_mean_token_mean``: sum $= \sum_{b,k} \frac{1}{|S_{b,k}|} \sum_{t \in S_{b,k}}
+      \ell_{b,t}$, count = number of turns.
 
     Each count is a sum over rows, so per-micro-batch counts add up to the full batch's count.
     ``turns`` ([`mpo_jax.segments.turn_structure`][mpo_jax.segments.turn_structure]) skips
@@ -117,14 +121,12 @@ def policy_loss_per_token(
     turns: Turns | None = None,
     is_weights: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict]:
-    """The per-token clipped surrogate ℓ_t of [`policy_loss`][mpo_jax.losses.policy_loss], before
-    aggregation.
+    r"""The per-token clipped surrogate $\ell_t$ of [`policy_loss`][mpo_jax.losses.policy_loss],
+    before aggregation, 0 off ``loss_mask``.
 
-    ``ℓ_t = -min(w_t Â_t, clip(w_t, 1 - ε_low, 1 + ε_high) Â_t)`` with
-    ``w_t = exp(sg(L) + logp_t - sg(logp_t))`` (see [`policy_loss`][mpo_jax.losses.policy_loss]), 0
-    off ``loss_mask``. Each ℓ_t depends on ``logp_t`` alone through the gradient path, so the
-    gradient of ``Σ_t ℓ_t`` is each token's own derivative: what a trainer that aggregates in its
-    own way (verl's ``agg_loss``) needs.
+    Each $\ell_t$ depends on $\log \pi_t$ alone through the gradient path, so the gradient of
+    $\sum_t \ell_t$ is each token's own derivative: what a trainer that aggregates in its own way
+    (verl's ``agg_loss``) needs.
 
     Returns:
       (per_token [B, T], parts): parts hold the masked inputs (``mask``, ``logp``, ``old_logp``),
@@ -203,18 +205,21 @@ def policy_loss(
     turns: Turns | None = None,
     is_weights: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The clipped surrogate with the importance ratio at token, turn or sequence level.
+    r"""The clipped surrogate with the importance ratio at token, turn or sequence level.
 
-    With L the log-ratio of the level (token: ``logp_t - old_logp_t``; turn: ``Σ_{u∈S_k}`` of it,
-    MPO; sequence: the mean over the row's action tokens, GSPO), clamped to ``±log_ratio_clamp``:
+    With $L$ the log-ratio of the level (token: $\log \pi_t - \log \pi^{old}_t$; turn: its sum
+    over the turn $S_k$, MPO; sequence: its mean over the row's action tokens, GSPO), clamped to
+    ``±log_ratio_clamp``, and $\mathrm{sg}$ the stop-gradient:
 
-        w_t = exp(sg(L) + logp_t - sg(logp_t))
-        ℓ_t = -min(w_t Â_t, clip(w_t, 1 - ε_low, 1 + ε_high) Â_t)
+    $$w_t = \exp\big(\mathrm{sg}(L) + \log \pi_t - \mathrm{sg}(\log \pi_t)\big), \qquad
+      \ell_t = -\min\big(w_t \hat A_t,\ \mathrm{clip}(w_t, 1 - \epsilon_{low},
+      1 + \epsilon_{high}) \hat A_t\big).$$
 
-    In value ``w_t`` is the ratio of its level; its gradient is ``sg(w_t) ∇logp_t``, so each token's
-    gradient carries its own advantage only, and a turn (or sequence) is clipped as a whole.
-    ``dual_clip = c > 1`` bounds the loss of negative-advantage tokens by ``-c Â_t`` (Ye et al.
-    2020). ``ratio_reduce`` defaults to ``"sum"`` for turns and ``"mean"`` (length-normalised) for
+    In value $w_t$ is the ratio of its level; its gradient is
+    $\mathrm{sg}(w_t) \nabla \log \pi_t$, so each token's gradient carries its own advantage
+    only, and a turn (or sequence) is clipped as a whole. ``dual_clip`` $= c > 1$ bounds the loss
+    of negative-advantage tokens by $-c \hat A_t$ (Ye et al. 2020). ``ratio_reduce`` defaults to
+    ``"sum"`` for turns and ``"mean"`` (length-normalised) for
     sequences.
 
     Args:
@@ -369,10 +374,13 @@ def value_loss(
     normalizer: ArrayLike | None = None,
     turns: Turns | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Clipped squared error of the critic to its targets over ``loss_mask`` tokens.
+    r"""Clipped squared error of the critic to its targets over ``loss_mask`` tokens.
 
-    ``ℓ_t = ½ max((V_t - G_t)², (V_old,t + clip(V_t - V_old,t, ±c) - G_t)²)``; ``clip=None`` is the
-    plain ½ (V - G)². Returns (loss, metrics with ``loss_sum``, ``loss_count``, ``clip_frac``).
+    $$\ell_t = \tfrac12 \max\big((V_t - G_t)^2,\ (V^{old}_t + \mathrm{clip}(V_t - V^{old}_t,
+      -c, c) - G_t)^2\big);$$
+
+    ``clip=None`` is the plain $\tfrac12 (V_t - G_t)^2$. Returns (loss, metrics with ``loss_sum``,
+    ``loss_count``, ``clip_frac``).
     """
     check_token_arrays(
         "value_loss",

@@ -1,12 +1,12 @@
-"""One recursion for every estimator: the first-order linear recurrence along the time axis.
+r"""One recursion for every estimator: the first-order linear recurrence along the time axis.
 
 Every advantage estimator in this package is a composition of
 
-    reverse:  y_t = a_t + c_t * y_{t+1},   y_T = init
-    forward:  y_t = a_t + c_t * y_{t-1},   y_{-1} = init
+$$\text{reverse: } y_t = a_t + c_t \, y_{t+1}, \; y_T = \text{init}; \qquad
+  \text{forward: } y_t = a_t + c_t \, y_{t-1}, \; y_{-1} = \text{init}$$
 
-with per-position coefficients. Jumping over observation tokens is ``a_t = 0, c_t = 1`` (the carry
-passes through untouched); a turn boundary is ``c_t = 0`` (the carry is cut). One well-tested
+with per-position coefficients. Jumping over observation tokens is $a_t = 0, c_t = 1$ (the carry
+passes through untouched); a turn boundary is $c_t = 0$ (the carry is cut). One well-tested
 primitive then serves token GAE, turn GAE, intra-turn traces, segment sums and forward fills
 (rlax's ``truncated_generalized_advantage_estimation`` makes the same point with per-step
 discount vectors).
@@ -125,7 +125,7 @@ def reverse_linear_scan(
     Returns:
       y, same shape and dtype as ``a``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> reverse_linear_scan(jnp.array([1.0, 1.0, 1.0]), jnp.array([0.5, 0.5, 0.5]))
       Array([1.75, 1.5 , 1.  ], dtype=float32)
@@ -143,7 +143,7 @@ def forward_linear_scan(
 ) -> jax.Array:
     """Solves ``y_t = a_t + c_t * y_{t-1}`` forwards along ``axis``, with ``y_{-1} = init``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> forward_linear_scan(jnp.array([1.0, 1.0, 1.0]), jnp.array([0.5, 0.5, 0.5]))
       Array([1.  , 1.5 , 1.75], dtype=float32)
