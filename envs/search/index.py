@@ -82,7 +82,12 @@ class SearchIndex:
 
 
 def _index_folder(corpus: Corpus, root: Path) -> Path:
-    return root / f"search-bm25-{corpus.fingerprint()[:16]}-bm25s-{bm25s.__version__}"
+    """Keyed by the corpus, bm25s's version and its JSON writer (orjson when installed: the same
+    index in other bytes), so that a folder is always what a rebuild here would write."""
+    from bm25s.utils import json_functions
+
+    writer = "orjson" if json_functions.ORJSON_AVAILABLE else "json"
+    return root / f"search-bm25-{corpus.fingerprint()[:16]}-bm25s-{bm25s.__version__}-{writer}"
 
 
 def build_index(corpus: Corpus, folder: Path) -> SearchIndex:
@@ -96,6 +101,10 @@ def build_index(corpus: Corpus, folder: Path) -> SearchIndex:
     )
     retriever = bm25s.BM25()
     retriever.index(ids, show_progress=False)
+    # Indexed by token ids, its vocabulary maps int -> int. bm25s writes it with orjson when that is
+    # installed (trackio, tensordict bring it), which refuses int keys; the json module writes them
+    # as strings, which is what bm25s reads back either way.
+    retriever.vocab_dict = {str(k): v for k, v in retriever.vocab_dict.items()}
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
