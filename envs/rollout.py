@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from envs.base import Env
+from envs.strategies import STRATEGY_FIGURES
 from mpo_jax.batch import TurnBatch, padded_length
 
 __all__ = [
@@ -106,6 +107,7 @@ EPISODE_FIGURES = (
     "format_error_rate",
     "partial_credit",
     "invalid_move",
+    *STRATEGY_FIGURES,
 )
 # ... and everything it may add (the reasons an episode failed or broke, as text).
 EPISODE_INFO = (*EPISODE_FIGURES, "failure", "env_exception")

@@ -55,6 +55,7 @@ from typing import Any
 from envs.base import Env, Observation, StepResult
 from envs.chat import qwen3_chat_format
 from envs.splits import SPLIT_SEED, check_split
+from envs.strategies import tracker_for
 
 __all__ = [
     "TextArenaEnv",
@@ -269,6 +270,7 @@ class TextArenaEnv(Env):
         self._key = key
         self.turns = self.format_errors = 0
         self.done = False
+        self._tracker = tracker_for(self.game_id, self._game.state.game_state, self._options)
         return [{"role": "user", "content": self._new_messages()}]
 
     def _new_messages(self) -> str:
@@ -287,6 +289,7 @@ class TextArenaEnv(Env):
         self.format_errors += move is None
         played = move if move is not None else text[:500]
         info: dict[str, Any] = {"format_error": move is None}
+        self._tracker.move(self._game.state.game_state, move)
         try:
             done, _ = self._call(self._game.step, played)
         except Exception as e:  # noqa: BLE001  (a game that raises ends its episode, not the run)
@@ -302,7 +305,7 @@ class TextArenaEnv(Env):
             won = credit >= 1.0
             player = (game_info or {}).get(0, {})
             info.update(
-                self._figures(),
+                self._figures(won),
                 success=won,
                 partial_credit=0.0 if won else credit,
                 invalid_move=float(bool(player.get("invalid_move"))),
@@ -316,8 +319,12 @@ class TextArenaEnv(Env):
         self.done = truncated
         return StepResult(Observation(user=self._new_messages()), 0.0, False, truncated, info)
 
-    def _figures(self) -> dict[str, float]:
-        return {"format_error_rate": self.format_errors / max(self.turns, 1)}
+    def _figures(self, won: bool = False) -> dict[str, float]:
+        """The format error rate and the strategy metrics (`envs.strategies`)."""
+        return {
+            "format_error_rate": self.format_errors / max(self.turns, 1),
+            **self._tracker.figures(won),
+        }
 
     # -- the trainer's oracle (check_environment), for the games that have one ---------------
     def optimal_turn(self) -> str:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import sys
 from functools import partial
 from pathlib import Path
@@ -47,6 +48,7 @@ import envs
 from envs.chat import format_tool_call
 from envs.rollout import collect
 from envs.scripted import ScriptedPolicy, oracle_act
+from envs.strategies import PLAYERS, game_family
 from kernels.logprobs import logprobs_and_entropy
 from mpo_jax.batch import padded_length
 from train.core.build import compute_dtype, initial_actor, model_config, run_codec
@@ -78,6 +80,7 @@ class SFTConfig:
     data: str | None = None
     demos: int = 1024
     demo_noise: float = 0.0
+    demo_player: str = ""
     val_demos: int = 128
     val_fraction: float = 0.1
     batch_size: int = 16
@@ -89,6 +92,9 @@ SFT_HELP = {
     "demos": "demonstration episodes to train on",
     "demo_noise": "probability that a demonstration turn goes wrong (the warm start's "
     "imperfection)",
+    "demo_player": "the scripted player of a TextArena game whose demonstrations the warm start "
+    "learns (envs.strategies; random_distinct, random_valid, accept_random: the move format and "
+    "no strategy); default: the environment's oracle",
     "val_demos": "held-out demonstration episodes (the environment's --eval-split)",
     "val_fraction": "share of a --data file's conversations held out",
     "batch_size": "rows a step",
@@ -139,8 +145,11 @@ def _noisy(act, codec, rng, noise):
     return turn
 
 
-def demonstrations(cfg: TrainConfig, codec, *, split: str, n: int, noise: float, seed: int):
-    """(Examples, success rate) of ``n`` scripted episodes of ``cfg.env`` on ``split``."""
+def demonstrations(
+    cfg: TrainConfig, codec, *, split: str, n: int, noise: float, seed: int, player: str = ""
+):
+    """(Examples, success rate) of ``n`` scripted episodes of ``cfg.env`` on ``split``: the
+    environment's oracle, or ``player`` (a scripted player of `envs.strategies`)."""
     options = {**cfg.env_set, "split": split}
     rng = np.random.default_rng(seed)
     rows, successes = [], []
@@ -150,8 +159,16 @@ def demonstrations(cfg: TrainConfig, codec, *, split: str, n: int, noise: float,
             for i in range(lo, min(n, lo + 256))
         ]
         acts = []
-        for env in batch_envs:
-            if hasattr(env, "demo_turn"):
+        for i, env in enumerate(batch_envs):
+            if player:
+                move = demo_player(env, player)
+                turn_rng = random.Random(seed * 1_000_003 + lo + i)
+                acts.append(
+                    lambda env=env, m=move, r=turn_rng: _noisy(
+                        lambda e: m(e, r), codec, rng, noise
+                    )(env)  # fmt: skip
+                )
+            elif hasattr(env, "demo_turn"):
                 acts.append(lambda env=env: env.demo_turn(rng, noise))
             else:
                 scripted = oracle_act(env)
@@ -174,6 +191,24 @@ def demonstrations(cfg: TrainConfig, codec, *, split: str, n: int, noise: float,
         successes += [ep["success"] for ep in out.episodes]
     width = padded_length(max(len(r[0]) for r in rows), cap=cfg.max_len)
     return _stack(rows, width), float(np.mean(successes))
+
+
+def demo_player(env, name: str):
+    """The named scripted player of ``env``'s game (`envs.strategies.PLAYERS`); a
+    ``ValueError`` naming ``--demo-player`` and the game's players when it has none by that name."""
+    game = getattr(env, "game_id", None)
+    if game is None:
+        raise ValueError(
+            f"demo_player: only TextArena games have scripted players (envs.strategies); "
+            f"{type(env).__name__} has none"
+        )
+    players = PLAYERS.get(game_family(game), {})
+    if name not in players:
+        raise ValueError(
+            f"demo_player: {name!r} is not a player of {game} (its players: "
+            f"{', '.join(players) or 'none'})"
+        )
+    return players[name]
 
 
 def _conversation(record: dict, codec, where: str) -> tuple[list[int], list[bool]]:
@@ -412,17 +447,16 @@ def _setup(cfg: TrainConfig, sft: SFTConfig) -> dict[str, Any]:
         fit_tasks(probe, codec, {"split": "train"}, name=cfg.env, max_len=cfg.max_len,
                   max_new_tokens=cfg.max_new_tokens or probe.turn_budget or 256, drop=False,
                   say=print)  # fmt: skip
+        if sft.demo_player:
+            demo_player(probe, sft.demo_player)  # refused here, before anything runs
         out["train"], out["demo_success"] = demonstrations(
-            cfg, codec, split="train", n=sft.demos, noise=sft.demo_noise, seed=cfg.seed
-        )
+            cfg, codec, split="train", n=sft.demos, noise=sft.demo_noise, seed=cfg.seed,
+            player=sft.demo_player,
+        )  # fmt: skip
         out["val"], _ = demonstrations(
-            cfg,
-            codec,
-            split=cfg.eval_split,
-            n=sft.val_demos,
-            noise=sft.demo_noise,
-            seed=cfg.seed + 1,
-        )
+            cfg, codec, split=cfg.eval_split, n=sft.val_demos, noise=sft.demo_noise,
+            seed=cfg.seed + 1, player=sft.demo_player,
+        )  # fmt: skip
     if sft.pack:
         out["train"] = pack(out["train"], cfg.max_len)
     actor = initial_actor(cfg, mc)

@@ -93,6 +93,8 @@ def model_source(cfg: TrainConfig) -> ModelSource:
             return ModelSource("hf", str(path), str(path))
         if (path / "config.json").exists() and (path / "checkpoints").is_dir():
             run = TrainConfig(**read_run_config(path / "config.json"))
+            if "sft" in json.loads((path / "config.json").read_text()):
+                check_warm_start(cfg, run, path)
             inner = model_source(run)
             return ModelSource("run", str(path), inner.folder, run)
         raise ValueError(
@@ -109,6 +111,26 @@ def model_source(cfg: TrainConfig) -> ModelSource:
             raise ValueError(f"model_path: {path} {what}{hint}")
         return ModelSource("hf", str(path), str(path))
     return ModelSource("random")
+
+
+def check_warm_start(cfg: TrainConfig, warm: TrainConfig, path: Path) -> None:
+    """A warm start (a ``train.sft`` run) serves the game and model it was made for: a run on
+    another game, or naming another ``--model-path``, is refused naming both."""
+
+    def game(c: TrainConfig) -> str:
+        chosen = c.env_set.get("game")
+        return f"{c.env} ({chosen})" if chosen else c.env
+
+    if game(cfg) != game(warm):
+        raise ValueError(
+            f"init_from: {path} is a warm start made for --env {game(warm)}, not --env "
+            f"{game(cfg)}; make one for this game with python -m train.sft --env {cfg.env}"
+        )
+    if cfg.model_path and warm.model_path and Path(cfg.model_path) != Path(warm.model_path):
+        raise ValueError(
+            f"init_from: {path} is a warm start of --model-path {warm.model_path}, not "
+            f"{cfg.model_path}"
+        )
 
 
 # the folder `make smollm2` writes (the README's real model), named in a refusal that meets it
