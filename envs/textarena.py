@@ -55,7 +55,7 @@ from typing import Any
 from envs.base import Env, Observation, StepResult
 from envs.chat import qwen3_chat_format
 from envs.splits import SPLIT_SEED, check_split
-from envs.strategies import tracker_for
+from envs.strategies import game_family, tracker_for
 
 __all__ = [
     "TextArenaEnv",
@@ -250,6 +250,17 @@ class TextArenaEnv(Env):
     @property
     def task_id(self):
         return self._key
+
+    @property
+    def gold_answers(self) -> bool:
+        """Whether every task has a gold answer (TRACE's): GuessTheNumber's target, as a move."""
+        return game_family(self.game_id) == "GuessTheNumber"
+
+    @property
+    def gold_answer(self) -> str | None:
+        """The move that wins now (GuessTheNumber: ``[target]``); None for the other games."""
+        state = self._game.state.game_state if self._game else {}
+        return f"[{state['game_number']}]" if "game_number" in state else None
 
     @property
     def state_key(self) -> str:

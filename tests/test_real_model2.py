@@ -1,0 +1,99 @@
+"""Round 2 of the real-model study (train/study/real_model2.py) with its runs faked: the order
+(warm start, its measurement, then the RL cells seed-major and paired), resuming without
+rerunning what finished, and the report's paired MPO - GRPO difference and reference lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from train.study import real_model2
+from train.study.real_model2 import GAMES, Cell, cells, paired_difference
+
+FINAL = {"mpo": [0.9, 0.8, 0.85, 0.95], "grpo": [0.6, 0.7, 0.65, 0.6], "turn_ppo": [0.7, 0.7],
+         "mpo_trace": [0.8, 0.9]}  # fmt: skip
+
+
+def test_cells_run_seed_major_with_mpo_and_grpo_paired_first():
+    order = cells(("guess-the-number",))
+    assert order[:4] == [Cell("guess-the-number", p, s) for s in (0,) for p in
+                         ("mpo", "grpo", "turn_ppo", "mpo_trace")]  # fmt: skip
+    assert [c.preset for c in order if c.seed == 3] == ["mpo", "grpo"]
+    assert len(order) == sum(GAMES["guess-the-number"]["presets"].values())
+
+
+def test_the_paired_difference_is_over_the_seeds_both_finished():
+    a = {"0": {"x": 0.9}, "1": {"x": 0.8}, "2": {"x": 0.7}}
+    b = {"0": {"x": 0.5}, "1": {"x": 0.6}}
+    d = paired_difference(a, b, "x")
+    assert d["n"] == 2 and np.allclose(d["each"], [0.4, 0.2])
+    assert d["low"] <= d["mean"] == np.mean([0.4, 0.2]) <= d["high"]
+    assert paired_difference(a, {}, "x") is None
+
+
+def _fake_runs(monkeypatch, calls):
+    def launch(module, args, run_dir, record, cache=None, loggers=None):
+        calls.append((module, Path(run_dir)))
+        run_dir = Path(run_dir)
+        if (run_dir / "study.json").exists():
+            return {"skipped": True}
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps({"eval_episodes": 25, "eval_k": 2}))
+        if module == "train.run":
+            final = FINAL[record["preset"]][record["seed"]]
+            rows = [{"step": s, "success_rate": 0.5, "env_format_error_rate": 0.0,
+                     "env_hint_consistency": 0.8, "eval_heldout_success_rate": final * s / 20,
+                     "eval_heldout_env_hint_consistency": 0.9,
+                     "eval_heldout_env_format_error_rate": 0.01}
+                    for s in (5, 10, 15, 20)]  # fmt: skip
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run_dir / "study.json").write_text(json.dumps({"wall_s": 60.0}))
+        return {"skipped": False, "wall_s": 60.0}
+
+    def evaluate(origin, game, seed, out, root, what):  # as the real one: skipped when there
+        if (out / "metrics.json").exists():
+            return
+        calls.append(("train.evaluate", Path(out)))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps({
+            "eval_heldout_success_rate": 0.54, "eval_heldout_env_format_error_rate": 0.02,
+            "eval_heldout_env_hint_consistency": 0.45}))  # fmt: skip
+
+    monkeypatch.setattr(real_model2, "launch", launch)
+    monkeypatch.setattr(real_model2, "_evaluate_held_out", evaluate)
+
+
+def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
+    calls = []
+    _fake_runs(monkeypatch, calls)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "report"
+    out.mkdir()
+    lines = {"guess-the-number": {"random_distinct": {"success": 0.55, "low": 0.5, "high": 0.6,
+                                                      "episodes": 400}}}  # fmt: skip
+    (out / "reference_lines.json").write_text(json.dumps(lines))
+    argv = ["--model-path", str(model), "--runs", str(tmp_path / "runs"), "--out", str(out),
+            "--games", "guess-the-number"]  # fmt: skip
+    assert real_model2.main(argv) == 0
+    modules = [m for m, _ in calls]
+    assert modules[0] == "train.sft" and modules[1:5] == ["train.evaluate"] * 4
+    assert modules[5:] == ["train.run"] * 12
+    results = json.loads((out / "results.json").read_text())
+    entry = results["guess-the-number"]
+    assert entry["warm_start"]["success"] == 0.54 and entry["warm_start"]["episodes"] == 200
+    diff = entry["mpo_minus_grpo"]["heldout_final"]
+    assert diff["n"] == 4
+    assert np.isclose(diff["mean"], np.mean(np.subtract(FINAL["mpo"], FINAL["grpo"])))
+    text = (out / "results.md").read_text()
+    assert "scripted `random_distinct` | 55 [50, 60]" in text
+    assert "MPO - GRPO, paired by seed (4 seeds)" in text
+    assert (out / "curves_guess-the-number.png").exists()
+
+    calls.clear()  # a second call reruns nothing: every step is skipped as done
+    assert real_model2.main(argv) == 0
+    assert [m for m, _ in calls if m == "train.evaluate"] == []
+    assert json.loads((out / "results.json").read_text()) == results

@@ -1,0 +1,374 @@
+"""Round 2 of the real-model study: does SmolLM2 learn to use what the game tells it?
+
+    make smollm2                                       # the model, converted once
+    python -m train.study.real_model2                  # every step below (resumable)
+    python -m train.study.real_model2 --report-only    # aggregate what is there
+
+Round 1 (`train.study.real_model`) lifted SmolLM2-135M-Instruct on GuessTheNumber mostly by
+teaching it the move format. Here every RL run starts from a **format-only warm start**, so what
+RL adds above it is strategy learned across turns. Steps, each skipped when done and resumed
+when killed:
+
+1. the reference lines of every game (`train.study.reference_lines`), once;
+2. per game, the warm start: ``python -m train.sft --demo-player P`` on demonstrations of a
+   strategy-free scripted player in the game's exact format (GuessTheNumber ``random_distinct``,
+   FrozenLake ``random_valid``; `SFT_FLAGS`), LoRA adapters on the converted model;
+3. its measurement like round 1's start: ``train.evaluate`` of the warm start on 200 held-out
+   episodes (4 seeds of 25 tasks x 2 samples): success, format errors, hint consistency;
+4. the RL cells (`cells`), each ``python -m train.run --init-from WARMSTART`` with
+   `RL_FLAGS` (one budget and one learning rate for every preset; LoRA): GuessTheNumber ``mpo``
+   and ``grpo`` at seeds 0-3, seed-major and paired (a seed draws the same training games for
+   both), then ``turn_ppo`` and ``mpo_trace`` (TRACE's gold answer: the target as a move; its
+   reference: the frozen warm start) at seeds 0-1, then FrozenLake ``mpo`` and ``grpo`` at 0-1.
+
+The report (``--out``, default ``benchmarks/real_model/round2``): ``results.md`` and
+``results.json`` (per game: round 1's untrained start, the warm start, each preset's held-out end
+and AUC with intervals over seeds, the paired MPO - GRPO difference with its interval, the
+strategy metrics and format errors at the end, seconds a step by phase) and
+``curves_<game>.png`` with the reference lines drawn. Finished runs' figures are kept in
+``results.json``, so a later report on a machine without the run directories keeps them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from train.core.metrics import read_metrics
+from train.study.real_model import (
+    MODEL,
+    PHASES,
+    TURN,
+    _evaluate_held_out,
+    _pct,
+    _pooled,
+    run_figures,
+)
+from train.study.round1 import (
+    LOGGERS_HELP,
+    check_held_out,
+    check_study_loggers,
+    compile_cache,
+    finished_record,
+    launch,
+)
+from train.study.stats import bootstrap_ci
+
+__all__ = ["GAMES", "SFT_FLAGS", "RL_FLAGS", "Cell", "cells", "paired_difference", "main"]
+
+# game -> its strategy-free demonstration player, and its presets with their seeds (in order)
+GAMES: dict[str, dict[str, Any]] = {
+    "guess-the-number": {
+        "demo_player": "random_distinct",
+        "presets": {"mpo": 4, "grpo": 4, "turn_ppo": 2, "mpo_trace": 2},
+        "metric": "hint_consistency",
+    },
+    "frozen-lake": {
+        "demo_player": "random_valid",
+        "presets": {"mpo": 2, "grpo": 2},
+        "metric": "path_ratio",
+    },
+}
+LORA = ["--lora-rank", "16", "--lora-alpha", "32"]
+# the warm start: 256 demonstration games (about 100 assistant tokens each), 40 steps of 8
+SFT_FLAGS = [
+    *TURN, *LORA, "--lr", "2e-4", "--demos", "256", "--val-demos", "32", "--batch-size", "8",
+    "--steps", "40", "--eval-every", "0", "--checkpoint-every", "20",
+]  # fmt: skip
+# one RL budget for every preset: 20 steps of 16 episodes (4 tasks x 4), held-out evaluations of
+# 50 episodes every 5 steps
+RL_FLAGS = [
+    *TURN, *LORA, "--lr", "1e-4", "--warmup-steps", "2",
+    "--steps", "20", "--prompts-per-step", "4", "--group-size", "4",
+    "--micro-batch-tokens", "4096", "--minibatches", "1",
+    "--eval-every", "5", "--eval-episodes", "25", "--eval-k", "2", "--checkpoint-every", "2",
+]  # fmt: skip
+WARM_SEEDS = (0, 1, 2, 3)  # the warm start's 200 held-out episodes: 4 x 25 tasks x 2 samples
+HELDOUT = "eval_heldout_success_rate"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    game: str
+    preset: str
+    seed: int
+
+    def run_dir(self, root: Path) -> Path:
+        return Path(root) / self.game / self.preset / f"seed{self.seed}"
+
+
+def warm_dir(root: Path, game: str) -> Path:
+    return Path(root) / game / "warmstart"
+
+
+def cells(games: tuple[str, ...] = tuple(GAMES)) -> list[Cell]:
+    """The RL runs in the order they run: per game, seed-major over its presets (mpo and grpo
+    first), so a stopped study holds both of a pair."""
+    out = []
+    for game in games:
+        presets = GAMES[game]["presets"]
+        for seed in range(max(presets.values())):
+            out += [Cell(game, p, seed) for p, n in presets.items() if seed < n]
+    return out
+
+
+# -- the steps -------------------------------------------------------------------------------
+
+
+def make_warm_start(game: str, root: Path, model: str, loggers: str | None = None) -> dict:
+    player = GAMES[game]["demo_player"]
+    args = ["--model-path", model, "--env", game, "--demo-player", player, *SFT_FLAGS,
+            "--no-progress"]  # fmt: skip
+    return launch("train.sft", args, warm_dir(root, game), {"game": game, "warm_start": player},
+                  cache=compile_cache(root), loggers=loggers)  # fmt: skip
+
+
+def measure_warm_start(game: str, root: Path) -> None:
+    for seed in WARM_SEEDS:
+        out = Path(root) / game / "warmstart-eval" / f"seed{seed}"
+        origin = ["--run-dir", str(warm_dir(root, game))]
+        _evaluate_held_out(origin, game, seed, out, root, f"the warm start of {game}")
+
+
+def warm_point(root: Path, game: str) -> dict[str, Any] | None:
+    """The warm start's pooled held-out figures (as round 1's start), with the strategy metric."""
+    files = [Path(root) / game / "warmstart-eval" / f"seed{s}" / "metrics.json" for s in WARM_SEEDS]
+    pooled = _pooled(files)
+    if pooled is not None:
+        key = f"eval_heldout_env_{GAMES[game]['metric']}"
+        values = [json.loads(f.read_text()).get(key, np.nan) for f in files]
+        pooled[GAMES[game]["metric"]] = float(np.nanmean(values))
+    return pooled
+
+
+def run_cell(cell: Cell, root: Path, model: str, loggers: str | None = None) -> dict:
+    args = ["--init-from", str(warm_dir(root, cell.game)), "--model-path", model,
+            "--env", cell.game, "--preset", cell.preset, "--seed", str(cell.seed),
+            *RL_FLAGS]  # fmt: skip
+    return launch("train.run", args, cell.run_dir(root), dataclasses.asdict(cell),
+                  cache=compile_cache(root), loggers=loggers)  # fmt: skip
+
+
+# -- the report ------------------------------------------------------------------------------
+
+
+def cell_figures(cell: Cell, root: Path, warm: dict[str, Any]) -> dict[str, Any] | None:
+    """A finished run's figures (round 1's `run_figures`, from the warm start), plus the
+    strategy metric and format errors of its last held-out evaluation."""
+    run_dir = cell.run_dir(root)
+    rows, done = read_metrics(run_dir), finished_record(run_dir)
+    if done is None or not rows:
+        return None
+    config = json.loads((run_dir / "config.json").read_text())
+    figures = run_figures(rows, warm["success"], config["eval_episodes"] * config["eval_k"])
+    last = [r for r in rows if HELDOUT in r][-1]
+    metric = GAMES[cell.game]["metric"]
+    figures[metric] = last.get(f"eval_heldout_env_{metric}")
+    figures["format_errors"] = last.get("eval_heldout_env_format_error_rate")
+    figures["metric_curve"] = [
+        [r["step"] for r in rows if f"env_{metric}" in r],
+        [r[f"env_{metric}"] for r in rows if f"env_{metric}" in r],
+    ]
+    figures["wall_s"] = done["wall_s"]
+    return figures
+
+
+def paired_difference(a: dict[str, dict], b: dict[str, dict], key: str) -> dict[str, Any] | None:
+    """Seed-paired ``a - b`` of ``key`` over the seeds both finished: mean and 95% bootstrap
+    interval of the per-seed differences (the same seed drew the same training games)."""
+    seeds = sorted(set(a) & set(b), key=int)
+    if not seeds:
+        return None
+    diffs = [a[s][key] - b[s][key] for s in seeds]
+    mean, low, high = bootstrap_ci(diffs)
+    return {"mean": mean, "low": low, "high": high, "n": len(seeds), "each": diffs}
+
+
+def summarise(root: Path, recorded: dict[str, Any], round1: dict[str, Any]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for game in GAMES:
+        warm = warm_point(root, game) or recorded.get(game, {}).get("warm_start")
+        if warm is None:
+            continue
+        entry: dict[str, Any] = {
+            "start": round1.get(game, {}).get("start"),
+            "warm_start": warm,
+            "presets": {},
+        }
+        for cell in (c for c in cells() if c.game == game):
+            figures = cell_figures(cell, root, warm)
+            if figures is None:
+                seeds = recorded.get(game, {}).get("presets", {}).get(cell.preset, {})
+                figures = seeds.get("seeds", {}).get(str(cell.seed))
+            if figures is not None:
+                preset = entry["presets"].setdefault(cell.preset, {"seeds": {}})
+                preset["seeds"][str(cell.seed)] = figures
+        for p in entry["presets"].values():
+            for key in ("heldout_final", "heldout_auc", "wall_s"):
+                mean, low, high = bootstrap_ci([f[key] for f in p["seeds"].values()])
+                p[key] = {"mean": mean, "low": low, "high": high, "n": len(p["seeds"])}
+        presets = entry["presets"]
+        if "mpo" in presets and "grpo" in presets:
+            entry["mpo_minus_grpo"] = {
+                key: paired_difference(presets["mpo"]["seeds"], presets["grpo"]["seeds"], key)
+                for key in ("heldout_final", "heldout_auc")
+            }
+        results[game] = entry
+    return results
+
+
+def markdown(results: dict[str, Any], lines: dict[str, Any]) -> str:
+    out = [
+        "# Round 2: does the real model use what the game tells it?",
+        "",
+        "Written by `python -m train.study.real_model2`. Held-out success in %, 95% intervals in "
+        "brackets: Wilson over episodes for the start and the warm start, bootstrap over seeds "
+        "for a preset's mean, and over the seed-paired differences for MPO - GRPO.",
+        "",
+        f"Warm start: `python -m train.sft --model-path {MODEL} --env GAME --demo-player PLAYER "
+        f"{' '.join(SFT_FLAGS)}`",
+        "",
+        f"Every run: `python -m train.run --init-from WARMSTART --model-path {MODEL} --env GAME "
+        f"--preset PRESET --seed SEED {' '.join(RL_FLAGS)}`",
+        "",
+    ]
+    for game, entry in results.items():
+        metric = GAMES[game]["metric"]
+        warm, start = entry["warm_start"], entry.get("start")
+        out += [f"## {game}", "", "| reference | held-out success |", "|---|---|"]
+        for player, f in lines.get(game, {}).items():
+            out.append(f"| scripted `{player}` | {_pct(f['success'], f['low'], f['high'])} |")
+        if start:
+            out.append(
+                f"| untrained SmolLM2 (round 1) | {_pct(start['success'], *start['wilson'][1:])} |"
+            )
+        out += [
+            f"| format-only warm start ({warm['episodes']} episodes) "
+            f"| {_pct(warm['success'], *warm['wilson'][1:])}; format errors "
+            f"{100 * warm['format_errors']:.0f}% of turns; {metric} "
+            f"{warm.get(metric, float('nan')):.2f} |",
+            "",
+            f"| preset | seeds | held-out end | held-out AUC | {metric} at the end | format errors "
+            "| each seed's end | min a run |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for preset, p in entry["presets"].items():
+            end, auc = p["heldout_final"], p["heldout_auc"]
+            each = ", ".join(
+                f"s{s} {_pct(f['heldout_final'], *f['heldout_final_wilson'])}"
+                for s, f in sorted(p["seeds"].items())
+            )
+            metric_end = np.nanmean([f.get(metric) or np.nan for f in p["seeds"].values()])
+            errors = np.nanmean([f.get("format_errors") or np.nan for f in p["seeds"].values()])
+            out.append(
+                f"| {preset} | {end['n']} | {_pct(end['mean'], end['low'], end['high'])} "
+                f"| {_pct(auc['mean'], auc['low'], auc['high'])} | {metric_end:.2f} "
+                f"| {100 * errors:.0f}% | {each} | {p['wall_s']['mean'] / 60:.0f} |"
+            )
+        diff = entry.get("mpo_minus_grpo")
+        if diff and diff["heldout_final"]:
+            d, a = diff["heldout_final"], diff["heldout_auc"]
+            out += [
+                "",
+                f"MPO - GRPO, paired by seed ({d['n']} seeds): held-out end "
+                f"{100 * d['mean']:+.0f} points [{100 * d['low']:+.0f}, {100 * d['high']:+.0f}], "
+                f"AUC {100 * a['mean']:+.0f} [{100 * a['low']:+.0f}, {100 * a['high']:+.0f}].",
+            ]
+        out += ["", "| run | rollout s | scoring s | update s |", "|---|---|---|---|"]
+        for preset, p in entry["presets"].items():
+            for seed, f in sorted(p["seeds"].items()):
+                cost = " | ".join(f"{f.get(f'{ph}_s', float('nan')):.0f}" for ph in PHASES)
+                out.append(f"| {preset} s{seed} | {cost} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(results: dict[str, Any], lines: dict[str, Any], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for game, entry in results.items():
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for preset, p in entry["presets"].items():
+            curves = [f["heldout_curve"] for f in p["seeds"].values()]
+            if curves and all(c[0] == curves[0][0] for c in curves):
+                ax.plot(curves[0][0], np.mean([c[1] for c in curves], axis=0), marker="o",
+                        label=f"{preset} ({len(curves)} seeds)")  # fmt: skip
+        for player, f in lines.get(game, {}).items():
+            ax.axhline(f["success"], ls=":", lw=1, color="grey")
+            ax.text(0, f["success"], f" {player}", fontsize=7, va="bottom", color="grey")
+        ax.axhline(entry["warm_start"]["success"], color="black", ls="--", label="warm start")
+        ax.set_title(f"SmolLM2-135M-Instruct on {game} from a format-only warm start")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("held-out success rate")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"curves_{game}.png", dpi=90)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m train.study.real_model2", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model-path", default=MODEL, help=f"the converted model ({MODEL})")
+    parser.add_argument("--runs", default="runs/real-model2", help="where the runs go")
+    parser.add_argument("--out", default="benchmarks/real_model/round2", help="the report")
+    parser.add_argument("--games", help=f"comma-separated (default: {','.join(GAMES)})")
+    parser.add_argument("--report-only", action="store_true", help="aggregate existing runs only")
+    parser.add_argument("--loggers", help=LOGGERS_HELP)
+    args = parser.parse_args(argv)
+    games = tuple(args.games.split(",")) if args.games else tuple(GAMES)
+    unknown = sorted(set(games) - set(GAMES))
+    if unknown:
+        raise SystemExit(f"--games: unknown {unknown}; choose from {sorted(GAMES)}")
+    root, out = Path(args.runs), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recorded = _read(out / "results.json")
+    round1 = _read(out.parent / "results.json")
+    if not (out / "reference_lines.json").exists():
+        from train.study.reference_lines import reference_lines
+
+        lines = reference_lines(400)
+        (out / "reference_lines.json").write_text(json.dumps(lines, indent=1) + "\n")
+    lines = _read(out / "reference_lines.json")
+    if not args.report_only:
+        if not (Path(args.model_path) / "config.json").exists():
+            raise SystemExit(f"--model-path: no converted model at {args.model_path}; run "
+                             "`make smollm2` first")  # fmt: skip
+        check_held_out(games, flag="--games")
+        check_study_loggers(args.loggers)
+        for game in games:
+            started = time.perf_counter()
+            make_warm_start(game, root, args.model_path, args.loggers)
+            measure_warm_start(game, root)
+            print(f"warm start of {game}: {time.perf_counter() - started:.0f} s", flush=True)
+            todo = [c for c in cells((game,))]
+            for n, cell in enumerate(todo, 1):
+                record = run_cell(cell, root, args.model_path, args.loggers)
+                state = "skipped (done)" if record["skipped"] else f"{record['wall_s']:.0f} s"
+                print(f"[{n}/{len(todo)}] {cell}: {state}", flush=True)
+    results = summarise(root, recorded, round1)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(markdown(results, lines))
+    plot(results, lines, out)
+    print(f"wrote {out}/results.md, results.json and curves_*.png")
+    return 0
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
