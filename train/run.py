@@ -126,14 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     pending = evaluation_pending(run_dir, start, trainer.evaluation_due(start))
     log = None
     if lead:
-        log = MetricsLog(
-            run_dir,
-            start_step=start,
-            progress=cfg.progress,
-            total=cfg.steps,
-            loggers=cfg.loggers,
-            project=cfg.tracker_project,
-        )
+        log = MetricsLog.of_run(run_dir, cfg, start_step=start)
     steps = range(start, cfg.steps)
     if cfg.max_staleness:  # rollouts from a worker running ahead (train/core/async_rollouts.py)
         results = trainer.run_async(steps)

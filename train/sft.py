@@ -520,14 +520,7 @@ def _train(cfg: TrainConfig, sft: SFTConfig, s: dict, run_dir: Path) -> int:
 
     due_at_start = evaluation_due(start, cfg.eval_every, cfg.steps) and cfg.eval_episodes > 0
     pending = evaluation_pending(run_dir, start, due_at_start)
-    log = MetricsLog(
-        run_dir,
-        start_step=start,
-        progress=cfg.progress,
-        total=cfg.steps,
-        loggers=cfg.loggers,
-        project=cfg.tracker_project,
-    )
+    log = MetricsLog.of_run(run_dir, cfg, start_step=start)
     try:
         if pending:
             evaluate_after_save(partial(held_out, start), step=start, run_dir=run_dir, log=log)

@@ -65,6 +65,19 @@ class MetricsLog:
         )
         self.bar = tqdm(total=total, initial=start_step, disable=not progress, dynamic_ncols=True)
 
+    @classmethod
+    def of_run(cls, run_dir: Path, cfg, *, start_step: int) -> MetricsLog:
+        """The log of a ``train.run`` or ``train.sft`` run: its progress bar, step count,
+        ``--loggers`` and ``--tracker-project`` from ``cfg`` (a ``TrainConfig``)."""
+        return cls(
+            run_dir,
+            start_step=start_step,
+            progress=cfg.progress,
+            total=cfg.steps,
+            loggers=cfg.loggers,
+            project=cfg.tracker_project,
+        )
+
     def write(self, metrics: dict[str, Any]) -> None:
         """Appends one step's line (flushed: a crash after it keeps the step)."""
         self._append(metrics)
