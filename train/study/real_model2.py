@@ -258,6 +258,8 @@ def markdown(results: dict[str, Any], lines: dict[str, Any]) -> str:
             "| each seed's end | min a run |",
             "|---|---|---|---|---|---|---|---|",
         ]
+        if not entry["presets"]:
+            out.append("| (no RL run has finished yet) | | | | | | | |")
         for preset, p in entry["presets"].items():
             end, auc = p["heldout_final"], p["heldout_auc"]
             each = ", ".join(
