@@ -14,14 +14,14 @@ the episode's info at the end, so the trainer logs them every step and every eva
   best).
 - Every game: ``turns_to_win`` (won episodes).
 
-**Players** (:data:`PLAYERS`; each ``player(env, rng) -> text`` is one turn, read off the game's
+**Players** (`PLAYERS`; each ``player(env, rng) -> text`` is one turn, read off the game's
 state): GuessTheNumber ``random_distinct`` (a number not guessed yet, hints ignored),
 ``random_in_interval`` (uniform inside the interval the hints allow), ``bisection``; FrozenLake
 ``random_valid`` (a move that stays on the grid), ``shortest_path``; Secretary ``accept_first``,
 ``accept_random`` (accepts each value with probability 1/N), ``optimal_thresholds`` (the
 full-information optimum for uniform values: accept the best value so far when it exceeds the
 threshold of the number of values left, Gilbert and Mosteller 1966). Strategy-free players
-(:data:`STRATEGY_FREE`) write the game's exact move format and use nothing earlier turns revealed:
+(`STRATEGY_FREE`) write the game's exact move format and use nothing earlier turns revealed:
 their demonstrations teach the format alone (``python -m train.sft --demo-player``).
 """
 
@@ -65,7 +65,7 @@ def game_family(game_id: str) -> str:
 
 
 class _Tracker:
-    """Counts moves; :meth:`figures` adds ``turns_to_win``."""
+    """Counts moves; `figures` adds ``turns_to_win``."""
 
     def __init__(self):
         self.moves = 0
