@@ -50,10 +50,18 @@ MULTIHOST_FLAGS = [
 ]  # fmt: skip
 
 
-def test_two_processes_on_loopback_run_a_sharded_step(tmp_path):
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        "2,2,1",
+        # each row's tokens over 4 devices, 2 in each process (a slow-suite variant)
+        pytest.param("1,1,1,4", marks=pytest.mark.slow),
+    ],
+)
+def test_two_processes_on_loopback_run_a_sharded_step(tmp_path, mesh):
     """jax.distributed over two local processes: each rolls out its share of the tasks, both
     assemble the same global batch, and the sharded update equals the one-process update of
-    that batch."""
+    that batch (data x fsdp across the processes, or the context axis across them)."""
     import dataclasses
     import socket
 
@@ -78,6 +86,7 @@ def test_two_processes_on_loopback_run_a_sharded_step(tmp_path):
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
             "JAX_NUM_PROCESSES": "2",
             "JAX_PROCESS_ID": str(pid),
+            "MULTIHOST_MESH": mesh,
         }
         procs.append(
             subprocess.Popen(

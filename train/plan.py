@@ -257,7 +257,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
     )
     from train.model.lora import TRAINABLE, Adapted
     from train.model.qwen3 import KVCache, Qwen3ForCausalLM, Qwen3ValueModel
-    from train.model.sharding import batch_sharding, batch_ways, make_mesh, param_shardings
+    from train.model.sharding import MeshShape, batch_sharding, batch_ways, param_shardings
 
     cfg = dataclasses.replace(cfg, compute_dtype=planned_dtype(cfg.compute_dtype, platform))
     algo = algorithms.get(cfg.preset, **cfg.algo_set)
@@ -280,8 +280,7 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
     max_len = cfg.max_len or probe.max_episode_tokens(codec) or 8192
     max_new = cfg.max_new_tokens or probe.turn_budget or 256
     n = len(jax.devices())
-    data, fsdp, tensor = cfg.mesh_shape() or (-1, 1, 1)
-    mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+    mesh = (cfg.mesh_shape() or MeshShape()).make()
 
     def compile_(fn, *args, **kwargs):
         with jax.set_mesh(mesh):  # as the trainer runs its device work: on the mesh
@@ -383,7 +382,8 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
         gathers (Qwen3-8B at 32k: the eight-device plan's 94.9 GiB is matched by a whole
         float32 copy beside one device's activations, 97.5 estimated, not by a bfloat16 one,
         82.2)."""
-        return 0 if mesh.shape["fsdp"] > 1 else _bytes_per_device(_abstract(params))
+        sharded = mesh.shape["fsdp"] * mesh.shape["context"] > 1
+        return 0 if sharded else _bytes_per_device(_abstract(params))
 
     chunk = min(512, bucket(max_len))
     vocab = mc.vocab_size
@@ -478,13 +478,19 @@ def make_plan(cfg, *, limit: int | None = None, platform: str | None = None):
 # What lowers each program, tried in this order: the decode rows for the sampler, the remat and
 # then the token budget for the training micro-steps, the token budget for scoring. The
 # optimizer update (parameters and moments) has no knob on the given devices: fsdp over more.
+# When one row of --max-len is too big for a device at the floor of those, its tokens split over
+# more devices (``context``: `train.model.context`), taken from the data axis, then from fsdp.
 KNOBS = {
     "sampler": ("slots",),
-    "scoring": ("micro_batch_tokens",),
-    "training micro-step": ("remat", "micro_batch_tokens"),
+    "scoring": ("micro_batch_tokens", "context"),
+    "training micro-step": ("remat", "micro_batch_tokens", "context"),
     "optimizer update": (),
 }
-BLOCKED_BY = {"micro_batch_tokens": ("micro_batch_tokens", "micro_batches"), "slots": ("slots",)}
+BLOCKED_BY = {
+    "micro_batch_tokens": ("micro_batch_tokens", "micro_batches"),
+    "slots": ("slots",),
+    "context": ("mesh",),
+}
 
 
 @dataclasses.dataclass
@@ -533,6 +539,8 @@ def _lowered(cfg, field: str, max_len: int, scale: float = 0.5, ways: int = 1) -
 
     if field == "remat":
         return {"remat": "full"} if cfg.remat != "full" else None
+    if field == "context":
+        return more_context(cfg, len(jax.devices()))
     if field == "slots":
         episodes = cfg.prompts_per_step * cfg.group_size
         current = min(cfg.slots or episodes, episodes)
@@ -545,6 +553,24 @@ def _lowered(cfg, field: str, max_len: int, scale: float = 0.5, ways: int = 1) -
     if current <= floor:
         return None
     return {"micro_batch_tokens": _below(current, scale, floor), "micro_batches": 1}
+
+
+def more_context(cfg, devices: int) -> dict | None:
+    """``--mesh`` over ``devices`` with the context axis doubled, the devices taken from data,
+    else from fsdp (the weights stay sharded over fsdp x context); None when neither has two to
+    give."""
+    from train.model.sharding import MeshShape
+
+    shape = cfg.mesh_shape() or MeshShape()
+    data = devices // (shape.fsdp * shape.tensor * shape.context)
+    data = data if shape.data == -1 else shape.data
+    if data % 2 == 0:
+        shape = shape._replace(data=data // 2, context=shape.context * 2)
+    elif shape.fsdp % 2 == 0:
+        shape = shape._replace(data=data, fsdp=shape.fsdp // 2, context=shape.context * 2)
+    else:
+        return None
+    return {"mesh": ",".join(str(n) for n in shape)}
 
 
 def _search(cfg, limit, platform, given, tries, say, plan=None):

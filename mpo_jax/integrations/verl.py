@@ -62,7 +62,7 @@ from mpo_jax import advantages as adv
 from mpo_jax.algorithms import Multiscale
 from mpo_jax.batch import padded_length
 from mpo_jax.losses import aggregate, policy_loss_per_token
-from mpo_jax.segments import turn_sum
+from mpo_jax.segments import turn_end_mask, turn_sum
 
 __all__ = [
     "ESTIMATORS",
@@ -280,7 +280,7 @@ def turn_gae_advantage(
 def _gigpo(r, m, tid, keys, groups, gamma, omega):
     r = _onto_sampled_tokens(r, m)
     k = keys.shape[1]
-    ends = m & (jnp.pad(tid[:, 1:], ((0, 0), (0, 1)), constant_values=-1) != tid)
+    ends = turn_end_mask(m, tid)  # the last action token of each turn
     per_turn = jnp.where(ends, turn_sum(r, m, tid), 0)
     onehot = (tid[:, :, None] == jnp.arange(k)[None, None, :]) & ends[:, :, None]
     step_rewards = jnp.einsum("btk,bt->bk", onehot.astype(r.dtype), per_turn)

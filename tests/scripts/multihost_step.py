@@ -1,6 +1,6 @@
 """One process of a two-process run on loopback (see tests/test_sharding.py): jax.distributed
 from the environment, 2 forced CPU devices per process, one trainer step on a (data 2, fsdp 2)
-mesh spanning both processes. Writes what it saw to OUT/process<i>.npz."""
+mesh spanning both processes (or ``MULTIHOST_MESH``'s). Writes what it saw to OUT/process<i>.npz."""
 
 import os
 import sys
@@ -25,7 +25,8 @@ from train.core.config import parse_args  # noqa: E402
 
 out_dir, flags = sys.argv[1], sys.argv[2:]
 assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
-cfg = parse_args(flags + ["--mesh", "2,2,1", "--run-dir", os.path.join(out_dir, "run")])
+mesh = os.environ.get("MULTIHOST_MESH", "2,2,1")  # 1,1,1,4: the context axis over both
+cfg = parse_args(flags + ["--mesh", mesh, "--run-dir", os.path.join(out_dir, "run")])
 trainer = trainer_module.Trainer(cfg)
 kernel = trainer.state["actor"]["model"]["layers"][0]["layer"]["mlp"]["gate_proj"][
     "kernel"

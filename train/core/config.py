@@ -28,6 +28,7 @@ from train.core.trackers import DEFAULT_LOGGERS, parse_loggers
 from train.engine.rollouts import EngineSettings
 from train.engine.servers import BACKENDS
 from train.model.lora import LORA_TARGETS
+from train.model.sharding import MeshShape
 
 __all__ = [
     "TrainConfig",
@@ -156,19 +157,21 @@ class TrainConfig:
     algo_set: dict[str, Any] = dataclasses.field(default_factory=dict)
     env_set: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def mesh_shape(self) -> tuple[int, int, int] | None:
+    def mesh_shape(self) -> MeshShape | None:
+        """``--mesh`` as a `MeshShape` (None: no mesh). Three sizes ``data,fsdp,tensor`` or four,
+        ``data,fsdp,tensor,context``; data may be -1 (what the others leave)."""
         if not self.mesh:
             return None
         try:
             parts = tuple(int(x) for x in self.mesh.split(","))
         except ValueError:
             parts = ()
-        if len(parts) != 3 or any(p == 0 or p < -1 for p in parts) or parts[1:].count(-1):
+        if len(parts) not in (3, 4) or any(p == 0 or p < -1 for p in parts) or -1 in parts[1:]:
             raise ValueError(
-                f"mesh: expected 'data,fsdp,tensor' (positive sizes; data may be -1), "
-                f"got {self.mesh!r}"
+                "mesh: expected 'data,fsdp,tensor' or 'data,fsdp,tensor,context' (three or four "
+                f"positive sizes; data may be -1), got {self.mesh!r}"
             )
-        return parts
+        return MeshShape(*parts)
 
     @property
     def micro_rows(self) -> int:
@@ -247,8 +250,8 @@ class TrainConfig:
         self.engine_settings()  # refuses bad engine settings, named
         self._check_rollout_backend()
         shape = self.mesh_shape()
-        if shape is not None and shape[0] != -1:
-            check_mesh_fit(self, shape[0] * shape[1])
+        if shape is not None and shape.data != -1:
+            check_mesh_fit(self, shape.data * shape.fsdp)
 
     def lora_target_names(self) -> tuple[str, ...]:
         """The projection names ``--lora-targets`` stands for (``all``, ``attention``, ``mlp``
@@ -401,8 +404,8 @@ HELP: dict[str, str] = {
     "width": "hidden width of the tiny random model",
     "heads": "attention heads of the tiny random model",
     "kv_heads": "key/value heads of the tiny random model",
-    "mesh": "device mesh 'data,fsdp,tensor' over this host's devices ('': one device; data may "
-    "be -1: what the others leave)",
+    "mesh": "device mesh 'data,fsdp,tensor[,context]' over this host's devices ('': one device; "
+    "data may be -1: what the others leave; context splits each row's tokens)",
     "steps": "training steps (may change on --resume)",
     "prompts_per_step": "tasks a step",
     "group_size": "rollouts per task (the GRPO-family groups)",

@@ -31,6 +31,7 @@ from kernels.logprobs import logprobs_and_entropy
 from mpo_jax import losses
 from mpo_jax.algorithms import Algorithm
 from mpo_jax.batch import FIELD_FILL, TurnBatch, padded_length
+from train.model.context import constrain_tokens
 from train.model.lora import Adapted, bind
 
 __all__ = [
@@ -163,8 +164,11 @@ class ActionRows:
 
 
 def _before(hidden, positions):
-    """[B, A, D]: the hidden state that predicts each position's token (the one at p - 1)."""
-    return jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1)
+    """[B, A, D]: the hidden state that predicts each position's token (the one at p - 1);
+    split over the mesh's ``context`` axis where there is one, so that the LM head and the
+    log-probs over the vocabulary run on 1/C of the action tokens a device."""
+    picked = jnp.take_along_axis(hidden, jnp.maximum(positions - 1, 0)[..., None], axis=1)
+    return constrain_tokens(picked)
 
 
 def token_logprobs(graphdef, params, tokens, positions, *, temperature: float = 1.0):

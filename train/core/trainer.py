@@ -70,9 +70,9 @@ from train.engine.sampler import Sampler
 from train.engine.servers import connect
 from train.engine.weight_sync import WeightPush
 from train.model.sharding import (
+    MeshShape,
     batch_sharding,
     batch_ways,
-    make_mesh,
     param_shardings,
     shard_params,
 )
@@ -140,10 +140,9 @@ class Trainer:
                 say=_say,
             )
         self.mesh = self.micro_sharding = None
-        mesh_shape = cfg.mesh_shape() or ((-1, 1, 1) if is_multiprocess() else None)
+        mesh_shape = cfg.mesh_shape() or (MeshShape() if is_multiprocess() else None)
         if mesh_shape:  # several processes: one global mesh (default: data-parallel over all)
-            data, fsdp, tensor = mesh_shape
-            self.mesh = make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+            self.mesh = mesh_shape.make()
             self.micro_sharding = batch_sharding(self.mesh)
         # a micro-batch's row count divides by this (the data-parallel ways of the mesh)
         self.row_multiple = batch_ways(self.mesh) if self.mesh else 1

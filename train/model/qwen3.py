@@ -26,6 +26,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels.attention import attention
+from train.model.context import (
+    constrain_tokens,
+    context_attention,
+    context_ways,
+    from_zigzag,
+    padded_length,
+    to_zigzag,
+)
 from train.model.lora import LORA_TARGETS, AdaptedLinear, lora_scale
 
 __all__ = [
@@ -358,7 +366,10 @@ class Attention(nnx.Module):
             q = self.q_norm(q)
         q = rope(q, positions, cfg.rope_theta)
         k, v = self.project_kv(x, positions) if kv is None else kv
-        out = attention(q, k, v, *(causal or ()), implementation=cfg.attention)
+        if kv is None and context_ways() > 1:  # a row split over the context axis
+            out = context_attention(q, k, v, *causal, implementation=cfg.attention)
+        else:
+            out = attention(q, k, v, *(causal or ()), implementation=cfg.attention)
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -465,8 +476,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if cfg.is_moe_layer(layer) else MLP(cfg, rngs=rngs)
 
     def __call__(self, x, positions, causal=None):
-        x = constrain_rows(x + self.self_attn(self.input_layernorm(x), positions, causal=causal))
-        return constrain_rows(x + self.mlp(self.post_attention_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), positions, causal=causal)
+        x = constrain_tokens(constrain_rows(x))
+        return constrain_tokens(constrain_rows(x + self.mlp(self.post_attention_layernorm(x))))
 
     def extend(self, x, positions, causal, cache_k, cache_v, offsets, layer, rows=None):
         """Like __call__ for new tokens x [B, L, D]: their keys/values are written into entry
@@ -612,6 +624,9 @@ class Qwen3Model(nnx.Module):
         where each token's own sequence starts, for several sequences packed in a row: a token
         attends within its own sequence only, and positions (default) restart at each start.
         Each layer is rematerialised as ``cfg.remat`` says (`REMAT_POLICIES`)."""
+        ways = context_ways()
+        if ways > 1:
+            return self._split(input_ids, positions, attention_mask, segment_starts, ways)
         b, t = input_ids.shape
         cols = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         causal = None  # a full causal sequence: the kernel may use cuDNN
@@ -628,6 +643,36 @@ class Qwen3Model(nnx.Module):
         for stack in self.layers:
             x = stack(x, rope_positions, causal)
         return self.norm(x)
+
+    def _split(self, input_ids, positions, attention_mask, segment_starts, ways):
+        """`__call__` with each row's tokens split over the mesh's ``context`` axis
+        (`train.model.context`): rows padded to a multiple of 2C (padding never a visible key),
+        laid out zigzag, run, and the final hidden states put back in order."""
+        b, t = input_ids.shape
+        width = padded_length(t, ways)
+        cols = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
+
+        def pad(x, fill):
+            return jnp.pad(x, ((0, 0), (0, width - t)), constant_values=fill)
+
+        valid = pad(jnp.ones((b, t), bool) if attention_mask is None else attention_mask, False)
+        if segment_starts is not None:
+            lower = pad(segment_starts.astype(jnp.int32), 0)
+            key_positions = cols
+            positions = cols - lower if positions is None else pad(positions, 0)
+        else:
+            lower = jnp.full((b, width), jnp.iinfo(jnp.int32).min, jnp.int32)
+            key_positions = cols if positions is None else pad(positions, 0)
+            key_positions = jnp.where(cols < t, key_positions, cols)
+            positions = key_positions
+        split = [to_zigzag(x, ways) for x in (pad(input_ids, 0), positions, key_positions)]
+        ids, positions, key_positions = split
+        causal = (key_positions, key_positions, to_zigzag(valid, ways), to_zigzag(lower, ways))
+        x = constrain_tokens(constrain_rows(self.embed_tokens(ids)))
+        for stack in self.layers:
+            x = stack(x, positions, causal)
+        hidden = from_zigzag(self.norm(x), ways)[:, :t]
+        return constrain_tokens(constrain_rows(hidden))
 
     def extend(self, input_ids, offsets, n_new, cache: KVCache, rows=None):
         """Appends tokens to a live cache and returns their hidden states.

@@ -2,9 +2,11 @@
 
 Every parameter of ``train.model.qwen3`` carries logical names (``vocab``, ``embed``, ``heads``,
 ``kv_heads``, ``mlp``, ``expert``); `DEFAULT_RULES` maps them onto a mesh with axes
-(``data``, ``fsdp``, ``tensor``, ``expert``). Changing the parallelism layout is a change of the
-mesh shape or of the rules, not of the model code (MaxText's idea). A dimension that its mesh axes
-do not divide is replicated instead.
+(``data``, ``fsdp``, ``context``, ``tensor``, ``expert``). ``context`` splits each row's tokens
+(`train.model.context`); the devices of a context group hold the same weights, so they shard
+them as fsdp does (the ``embed`` dimension over fsdp x context). Changing the parallelism
+layout is a change of the mesh shape or of the rules, not of the model code (MaxText's idea).
+A dimension that its mesh axes do not divide is replicated instead.
 
 Meshes use ``AxisType.Auto``: JAX's default Explicit axes make tensor-parallel contractions in
 ``nnx.Linear`` raise ``ShardingTypeError``.
@@ -13,6 +15,7 @@ Meshes use ``AxisType.Auto``: JAX's default Explicit axes make tensor-parallel c
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -20,6 +23,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 __all__ = [
+    "MeshShape",
     "DEFAULT_RULES",
     "MESH_AXES",
     "make_mesh",
@@ -29,12 +33,12 @@ __all__ = [
     "batch_ways",
 ]
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "context")),  # the context axis shards weights too (ZeRO over it)
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -42,17 +46,34 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, expert: int = 1, devices=None):
-    """A mesh over ``devices`` (default: all); ``-1`` for data takes what the others leave."""
+class MeshShape(NamedTuple):
+    """``--mesh data,fsdp,tensor[,context]``: the sizes of the mesh's axes (data may be -1)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    context: int = 1
+
+    def make(self, devices=None):
+        """The mesh of this shape over ``devices`` (`make_mesh`)."""
+        return make_mesh(**self._asdict(), devices=devices)
+
+
+def make_mesh(
+    data: int = -1, fsdp: int = 1, tensor: int = 1, expert: int = 1, devices=None, context: int = 1
+):
+    """A mesh over ``devices`` (default: all); ``-1`` for data takes what the others leave.
+    ``context`` splits each row's tokens (`train.model.context`)."""
     devices = list(jax.devices() if devices is None else devices)
-    rest = fsdp * tensor * expert
+    rest = fsdp * context * tensor * expert
     if data == -1:
         if len(devices) % rest:
             raise ValueError(
-                f"mesh: {len(devices)} devices are not divisible by fsdp x tensor x expert = {rest}"
+                f"mesh: {len(devices)} devices are not divisible by fsdp x context x tensor x "
+                f"expert = {rest}"
             )
         data = len(devices) // rest
-    shape = (data, fsdp, tensor, expert)
+    shape = (data, fsdp, context, tensor, expert)
     if int(np.prod(shape)) != len(devices):
         raise ValueError(
             f"mesh: shape {dict(zip(MESH_AXES, shape, strict=True))} needs "
