@@ -8,11 +8,14 @@ needs the others: each layer all-gathers the keys and values (and their position
 ``context``, so that every device attends its own queries to the whole row; the backward of the
 all-gather is a reduce-scatter of the keys' and values' gradients. With grouped KV heads the
 gathered K/V are ``2 · Hkv · head_dim`` numbers a token against the ``hidden`` of the residual
-stream (Qwen3-8B: 2 · 8 · 128 = 2048 against 4096). Why an all-gather and not a ring of blocks:
-the chunked kernel already skips the key blocks a query block cannot see, so the gathered K/V
-of one layer (the only extra memory, ``1 - 1/C`` of a row's K/V) is all a ring would save, and
-XLA overlaps the gather of the next layer's keys with nothing either way on the CPU; a ring pays
-off with a kernel that overlaps communication explicitly (a later change).
+stream (Qwen3-8B: 2 · 8 · 128 = 2048 against 4096). Why an all-gather and not a ring of
+blocks: it is one collective a layer that XLA schedules and differentiates as it is (its
+transpose a reduce-scatter), the kernel then runs unchanged (its block skipping included) on
+the gathered keys, and the extra memory is one layer's gathered K/V (``1 - 1/C`` of a row's,
+small with grouped KV heads) while a layer runs. A ring would save that memory and overlap each
+block's transfer with the previous block's compute, which pays where the interconnect is slow
+against the compute; on fake CPU devices there is no overlap to measure, so it is left for a
+measured reason (`benchmarks/context.py` prints the bytes each layer gathers).
 
 **Balance.** Causal attention makes a query at position t attend t keys, so with rows split
 into C contiguous parts the last device does about ``2C/(C + 1)`` times the average work (the
@@ -27,8 +30,9 @@ zigzag (`to_zigzag`), runs the layers and puts the final hidden states back in o
 values and the turn-level sums downstream (a turn may start on one device and end on another)
 are computed on the row in its natural order by ``mpo_jax``, unchanged.
 
-Decode (the sampler's and the engine's ``extend``) does not split tokens: a context axis leaves
-decode replicated over it (every device of a context group decodes the same rows).
+Decode (the sampler's and the engine's ``extend``) does not split tokens: its rows (and their KV
+cache) spread over data x fsdp x context instead (`train.model.qwen3.DECODE_AXES`), so that the
+devices of a context group do not decode the same rows.
 """
 
 from __future__ import annotations

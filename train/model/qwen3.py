@@ -292,18 +292,27 @@ class KVCache(NamedTuple):
 BATCH_AXES = ("data", "fsdp")  # the mesh axes rows are split over (train.model.sharding's "batch")
 
 
-def constrain_rows(x: jax.Array) -> jax.Array:
-    """``x`` with its rows (leading axis) split over the data-parallel mesh axes, when a mesh is
-    set (``jax.set_mesh``) and the rows divide over them; unchanged otherwise. Placed on the
+# Decode (`extend`) splits its rows over the context axis too: it does not split tokens, and
+# without it every device of a context group would hold and decode the same rows.
+DECODE_AXES = ("data", "fsdp", "context")
+
+
+def constrain_rows(x: jax.Array, axes: tuple[str, ...] = BATCH_AXES) -> jax.Array:
+    """``x`` with its rows (leading axis) split over the mesh ``axes`` (default: the
+    data-parallel ones), when a mesh is set (``jax.set_mesh``) and the rows divide over them
+    (for `DECODE_AXES`, else over the data-parallel ones); unchanged otherwise. Placed on the
     residual stream, it makes XLA gather an fsdp-sharded weight for a matmul rather than gather
     the batch (and compute every row on every device)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+    if mesh.empty:
         return x
-    ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    axes = tuple(a for a in axes if a in mesh.axis_names)
+    ways = 1
+    for a in axes:
+        ways *= mesh.shape[a]
     if ways == 1 or x.shape[0] % ways:
-        return x
-    return jax.lax.with_sharding_constraint(x, jax.P(BATCH_AXES))
+        return x if axes == BATCH_AXES or not axes else constrain_rows(x)
+    return jax.lax.with_sharding_constraint(x, jax.P(axes))
 
 
 def _write_rows(
@@ -492,8 +501,9 @@ class DecoderLayer(nnx.Module):
         kv = (cache_k[layer], cache_v[layer])
         if rows is not None:
             kv = (kv[0][rows], kv[1][rows])
-        x = x + self.self_attn(h, positions, causal=causal, kv=kv)
-        return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+        x = constrain_rows(x + self.self_attn(h, positions, causal=causal, kv=kv), DECODE_AXES)
+        x = constrain_rows(x + self.mlp(self.post_attention_layernorm(x)), DECODE_AXES)
+        return x, cache_k, cache_v
 
 
 # --remat: what a decoder layer keeps for the backward pass (everything else is recomputed).
@@ -696,7 +706,7 @@ class Qwen3Model(nnx.Module):
         slots = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (b, capacity))
         valid = slots < (offsets + n_new)[:, None]
         causal = (positions, slots, valid)
-        x = constrain_rows(self.embed_tokens(input_ids))
+        x = constrain_rows(self.embed_tokens(input_ids), DECODE_AXES)
         for stack in self.layers:
             x, cache = stack.extend(x, positions, causal, cache, offsets, rows)
         return self.norm(x), cache
