@@ -114,6 +114,10 @@ def shard_params(state: nnx.State, mesh, rules=DEFAULT_RULES) -> nnx.State:
     def place(value, sharding):
         if sharding.is_fully_addressable:
             return jax.device_put(value, sharding)
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            # a global array already (a critic copied from a placed actor): resharded where it
+            # lies, since no process holds all of it (with context across processes)
+            return jax.device_put(value, sharding)
         # A mesh over several processes: every process holds the same initial values (same seed
         # or checkpoint) and fills the shards on its own devices.
         host = np.asarray(value)
