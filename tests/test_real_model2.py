@@ -75,7 +75,7 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     out.mkdir()
     lines = {"guess-the-number": {"random_distinct": {"success": 0.55, "low": 0.5, "high": 0.6,
                                                       "episodes": 400}}}  # fmt: skip
-    (out / "reference_lines.json").write_text(json.dumps(lines))
+    (tmp_path / "reference_lines.json").write_text(json.dumps(lines))  # beside the report
     argv = ["--model-path", str(model), "--runs", str(tmp_path / "runs"), "--out", str(out),
             "--games", "guess-the-number"]  # fmt: skip
     assert real_model2.main(argv) == 0

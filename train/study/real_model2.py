@@ -338,12 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     recorded = _read(out / "results.json")
     round1 = _read(out.parent / "results.json")
-    if not (out / "reference_lines.json").exists():
+    # the reference lines of `train.study.reference_lines`, beside round 1's report (made there
+    # if missing): one file for both rounds
+    lines_file = out.parent / "reference_lines.json"
+    if not lines_file.exists():
         from train.study.reference_lines import reference_lines
 
-        lines = reference_lines(400)
-        (out / "reference_lines.json").write_text(json.dumps(lines, indent=1) + "\n")
-    lines = _read(out / "reference_lines.json")
+        lines_file.write_text(json.dumps(reference_lines(400), indent=1) + "\n")
+    lines = _read(lines_file)
     if not args.report_only:
         if not (Path(args.model_path) / "config.json").exists():
             raise SystemExit(f"--model-path: no converted model at {args.model_path}; run "
