@@ -113,3 +113,18 @@ def test_a_context_size_that_does_not_divide_the_devices_is_refused(tmp_path, ca
     code = run.main(["--mesh", f"1,1,1,{n + 1}", "--run-dir", str(tmp_path / "r")])
     assert code == 2 and not (tmp_path / "r").exists()
     assert "mesh: shape" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a proposer's search over Qwen3-8B's programs at 32k (4-9 minutes)
+def test_qwen3_8b_at_32k_fits_eight_95_gb_devices_with_the_row_over_four():
+    flags = ["--model-path", str(ROOT / "benchmarks" / "configs" / "qwen3-8b"), "--env", "search",
+             "--max-len", "32768", "--devices", "8", "--device-memory", "95e9",
+             "--platform", "gpu", "--mesh", "1,2,1,4"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "train.plan", *flags],
+        env=env, capture_output=True, text=True, timeout=1800,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    verdict = out.stdout.strip().splitlines()[-1]
+    assert verdict.startswith("peak per device") and ": fits" in verdict, verdict

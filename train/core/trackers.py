@@ -188,7 +188,6 @@ class TrackioTracker:
                 auto_log_cpu=False,
                 auto_log_gpu=False,
             )
-        self.project = project
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log({k: v for k, v in values.items() if math.isfinite(v)}, step=step)
