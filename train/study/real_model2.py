@@ -175,7 +175,10 @@ def cell_figures(cell: Cell, root: Path, warm: dict[str, Any]) -> dict[str, Any]
         [r["step"] for r in rows if f"env_{metric}" in r],
         [r[f"env_{metric}"] for r in rows if f"env_{metric}" in r],
     ]
-    figures["wall_s"] = done["wall_s"]
+    # the steps' own seconds (evaluations apart), summed from the metrics: right for a run
+    # resumed after a kill too, whose last invocation's wall time covers only its last steps
+    phases = ("rollout_s", "scoring_s", "credit_s", "update_s")
+    figures["wall_s"] = float(sum(r.get(k, 0.0) for r in rows for k in phases))
     return figures
 
 
@@ -255,7 +258,7 @@ def markdown(results: dict[str, Any], lines: dict[str, Any]) -> str:
             f"{warm.get(metric, float('nan')):.2f} |",
             "",
             f"| preset | seeds | held-out end | held-out AUC | {metric} at the end | format errors "
-            "| each seed's end | min a run |",
+            "| each seed's end | min of steps a run |",
             "|---|---|---|---|---|---|---|---|",
         ]
         if not entry["presets"]:
@@ -267,7 +270,8 @@ def markdown(results: dict[str, Any], lines: dict[str, Any]) -> str:
                 for s, f in sorted(p["seeds"].items())
             )
             metric_end = np.nanmean([f.get(metric) or np.nan for f in p["seeds"].values()])
-            errors = np.nanmean([f.get("format_errors") or np.nan for f in p["seeds"].values()])
+            errors = [f.get("format_errors") for f in p["seeds"].values()]
+            errors = np.nanmean([np.nan if e is None else e for e in errors])
             out.append(
                 f"| {preset} | {end['n']} | {_pct(end['mean'], end['low'], end['high'])} "
                 f"| {_pct(auc['mean'], auc['low'], auc['high'])} | {metric_end:.2f} "
