@@ -97,7 +97,7 @@ def micro_step(widths: dict, layers: int, length: int, context: int, *, run: boo
     from mpo_jax import algorithms
     from train.core.learner import ActionRows, Models, UpdateFns, make_optimizer
     from train.model.qwen3 import ModelConfig, Qwen3ForCausalLM
-    from train.model.sharding import MeshShape, param_shardings
+    from train.model.sharding import MeshShape, param_shardings, shard_params
 
     cfg = ModelConfig(
         **widths, num_layers=layers, remat="full", dtype=jnp.bfloat16, attention="chunked"
@@ -110,16 +110,16 @@ def micro_step(widths: dict, layers: int, length: int, context: int, *, run: boo
         model = nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     with jax.set_mesh(mesh):
-        shardings = param_shardings(state, mesh)
-        flat = []
-        for path, var in nnx.to_flat_state(state):
-            value = var.get_value()
-            if run:
-                value = jax.device_put(value, shardings[path])
-            else:
-                value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=shardings[path])
-            flat.append((path, var.replace(value)))
-        params = nnx.from_flat_state(flat)
+        if run:
+            params = shard_params(state, mesh)
+        else:  # placed by the same rules, as shapes only
+            shardings = param_shardings(state, mesh)
+            params = nnx.from_flat_state(
+                [
+                    (p, v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[p])))
+                    for p, v in nnx.to_flat_state(state)
+                ]
+            )
         fns = UpdateFns(Models(graphdef, None), algorithms.get("grpo"), tx, tx, temperature=1.0)
         rng = np.random.default_rng(0)
         t = length

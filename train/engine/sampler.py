@@ -408,19 +408,14 @@ class Sampler:
 
 def cache_sharding(cfg, rows: int, mesh) -> jax.sharding.NamedSharding | None:
     """How a cache of ``rows`` rows lies on ``mesh``: rows over data, fsdp and context
-    (`train.model.qwen3.DECODE_AXES`: decode splits rows, not tokens), else over the
+    (`train.model.sharding.DECODE_AXES`: decode splits rows, not tokens), else over the
     data-parallel axes, and key/value heads over ``tensor``, each where it divides (None without
     a mesh)."""
     if mesh is None:
         return None
-    from train.model.qwen3 import BATCH_AXES, DECODE_AXES
+    from train.model.sharding import DECODE_AXES, row_axes
 
-    data = None
-    for axes in (DECODE_AXES, BATCH_AXES):
-        ways = int(np.prod([mesh.shape.get(a, 1) for a in axes]))
-        if rows % ways == 0:
-            data = tuple(a for a in axes if a in mesh.shape)
-            break
+    data = row_axes(mesh, rows, DECODE_AXES)
     tensor = mesh.shape.get("tensor", 1)
     heads = "tensor" if tensor > 1 and cfg.num_kv_heads % tensor == 0 else None
     return jax.sharding.NamedSharding(mesh, jax.P(None, data, None, heads, None))

@@ -31,7 +31,7 @@ values and the turn-level sums downstream (a turn may start on one device and en
 are computed on the row in its natural order by ``mpo_jax``, unchanged.
 
 Decode (the sampler's and the engine's ``extend``) does not split tokens: its rows (and their KV
-cache) spread over data x fsdp x context instead (`train.model.qwen3.DECODE_AXES`), so that the
+cache) spread over data x fsdp x context instead (`train.model.sharding.DECODE_AXES`), so that the
 devices of a context group do not decode the same rows.
 """
 
@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.attention import attention
+from train.model.sharding import row_axes
 
 __all__ = [
     "CONTEXT_AXIS",
@@ -55,7 +56,6 @@ __all__ = [
 ]
 
 CONTEXT_AXIS = "context"
-_ROW_AXES = ("data", "fsdp")
 
 
 def context_ways() -> int:
@@ -97,9 +97,7 @@ def constrain_tokens(x: jax.Array) -> jax.Array:
     ways = context_ways()
     if ways == 1 or x.shape[1] % ways:
         return x
-    row_ways = int(np.prod([mesh.shape[a] for a in _ROW_AXES if a in mesh.axis_names]))
-    rows = _ROW_AXES if row_ways > 1 and x.shape[0] % row_ways == 0 else None
-    return jax.lax.with_sharding_constraint(x, jax.P(rows, CONTEXT_AXIS))
+    return jax.lax.with_sharding_constraint(x, jax.P(row_axes(mesh, x.shape[0]), CONTEXT_AXIS))
 
 
 @jax.custom_vjp
@@ -135,14 +133,17 @@ def context_attention(
     ``block_q``/``block_k``."""
     ways = context_ways()
 
+    def whole_row(x, gather=_gather_tokens):  # gathered, back in natural order
+        return from_zigzag(gather(x), ways)
+
+    def integers(x):  # positions and validity: no gradient, no float32 reduce-scatter
+        return jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True)
+
     def local(q, k, v, q_pos, k_pos, k_val, q_low):
-        gather = [from_zigzag(_gather_tokens(x), ways) for x in (k, v)]
-        gather += [
-            from_zigzag(jax.lax.all_gather(x, CONTEXT_AXIS, axis=1, tiled=True), ways)
-            for x in (k_pos, k_val)
-        ]
-        kv, positions = gather[:2], gather[2:]
-        return attention(q, *kv, q_pos, *positions, q_low, implementation=implementation, **blocks)
+        k, v = whole_row(k), whole_row(v)
+        k_pos, k_val = whole_row(k_pos, integers), whole_row(k_val, integers)
+        kernel = dict(implementation=implementation, **blocks)
+        return attention(q, k, v, q_pos, k_pos, k_val, q_low, **kernel)
 
     tokens = jax.P(None, CONTEXT_AXIS)
     # check_vma off: the kernel's loops start from constants that do not vary over the axis

@@ -35,6 +35,7 @@ from train.model.context import (
     to_zigzag,
 )
 from train.model.lora import LORA_TARGETS, AdaptedLinear, lora_scale
+from train.model.sharding import BATCH_AXES, DECODE_AXES, row_axes
 
 __all__ = [
     "ModelConfig",
@@ -289,30 +290,25 @@ class KVCache(NamedTuple):
         return 2 * per * jnp.dtype(cfg.dtype).itemsize
 
 
-BATCH_AXES = ("data", "fsdp")  # the mesh axes rows are split over (train.model.sharding's "batch")
-
-
-# Decode (`extend`) splits its rows over the context axis too: it does not split tokens, and
-# without it every device of a context group would hold and decode the same rows.
-DECODE_AXES = ("data", "fsdp", "context")
-
-
 def constrain_rows(x: jax.Array, axes: tuple[str, ...] = BATCH_AXES) -> jax.Array:
     """``x`` with its rows (leading axis) split over the mesh ``axes`` (default: the
-    data-parallel ones), when a mesh is set (``jax.set_mesh``) and the rows divide over them
-    (for `DECODE_AXES`, else over the data-parallel ones); unchanged otherwise. Placed on the
-    residual stream, it makes XLA gather an fsdp-sharded weight for a matmul rather than gather
-    the batch (and compute every row on every device)."""
+    data-parallel ones) as `train.model.sharding.row_axes` chooses, when a mesh is set
+    (``jax.set_mesh``); unchanged otherwise. Placed on the residual stream, it makes XLA gather
+    an fsdp-sharded weight for a matmul rather than gather the batch (and compute every row on
+    every device)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    axes = tuple(a for a in axes if a in mesh.axis_names)
-    ways = 1
-    for a in axes:
-        ways *= mesh.shape[a]
-    if ways == 1 or x.shape[0] % ways:
-        return x if axes == BATCH_AXES or not axes else constrain_rows(x)
-    return jax.lax.with_sharding_constraint(x, jax.P(axes))
+    split = None if mesh.empty else row_axes(mesh, x.shape[0], axes)
+    return x if split is None else jax.lax.with_sharding_constraint(x, jax.P(split))
+
+
+def constrain_stream(x: jax.Array) -> jax.Array:
+    """The residual stream's sharding in a full-sequence forward: rows and tokens
+    (`train.model.context.constrain_tokens`) where the mesh splits a row over ``context`` and
+    its length divides, else rows alone (`constrain_rows`)."""
+    ways = context_ways()
+    if ways > 1 and x.shape[1] % ways == 0:
+        return constrain_tokens(x)
+    return constrain_rows(x)
 
 
 def _write_rows(
@@ -486,8 +482,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, causal=None):
         x = x + self.self_attn(self.input_layernorm(x), positions, causal=causal)
-        x = constrain_tokens(constrain_rows(x))
-        return constrain_tokens(constrain_rows(x + self.mlp(self.post_attention_layernorm(x))))
+        x = constrain_stream(x)
+        return constrain_stream(x + self.mlp(self.post_attention_layernorm(x)))
 
     def extend(self, x, positions, causal, cache_k, cache_v, offsets, layer, rows=None):
         """Like __call__ for new tokens x [B, L, D]: their keys/values are written into entry
@@ -678,11 +674,11 @@ class Qwen3Model(nnx.Module):
         split = [to_zigzag(x, ways) for x in (pad(input_ids, 0), positions, key_positions)]
         ids, positions, key_positions = split
         causal = (key_positions, key_positions, to_zigzag(valid, ways), to_zigzag(lower, ways))
-        x = constrain_tokens(constrain_rows(self.embed_tokens(ids)))
+        x = constrain_stream(self.embed_tokens(ids))
         for stack in self.layers:
             x = stack(x, positions, causal)
         hidden = from_zigzag(self.norm(x), ways)[:, :t]
-        return constrain_tokens(constrain_rows(hidden))
+        return constrain_stream(hidden)
 
     def extend(self, input_ids, offsets, n_new, cache: KVCache, rows=None):
         """Appends tokens to a live cache and returns their hidden states.

@@ -24,6 +24,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 __all__ = [
     "MeshShape",
+    "BATCH_AXES",
+    "DECODE_AXES",
+    "row_axes",
     "DEFAULT_RULES",
     "MESH_AXES",
     "make_mesh",
@@ -35,8 +38,14 @@ __all__ = [
 
 MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
+BATCH_AXES = ("data", "fsdp")  # the axes a batch's rows split over (the "batch" rule)
+# Decode (`extend`) splits its rows over the context axis too: it does not split tokens, and
+# without it every device of a context group would hold and decode the same rows.
+DECODE_AXES = (*BATCH_AXES, "context")
+
+
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", BATCH_AXES),
     ("vocab", "tensor"),
     ("embed", ("fsdp", "context")),  # the context axis shards weights too (ZeRO over it)
     ("heads", "tensor"),
@@ -44,6 +53,18 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("expert", "expert"),
 )
+
+
+def row_axes(mesh, rows: int, axes: tuple[str, ...] = BATCH_AXES) -> tuple[str, ...] | None:
+    """The mesh axes ``rows`` rows split over: ``axes`` (those the mesh has) where the rows
+    divide over them, else the data-parallel ones where they divide; None where neither splits
+    them (every device holds every row). ``mesh``: concrete or abstract."""
+    for candidate in dict.fromkeys((axes, BATCH_AXES)):
+        present = tuple(a for a in candidate if a in mesh.axis_names)
+        ways = int(np.prod([mesh.shape[a] for a in present]))
+        if ways > 1 and rows % ways == 0:
+            return present
+    return None
 
 
 class MeshShape(NamedTuple):
