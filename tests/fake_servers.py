@@ -3,17 +3,24 @@ and response fields, backed by our own sampler, so the tokens and log-probs they
 
     server = FakeServer("vllm", model_folder, capacity=2048)   # listening on 127.0.0.1:<port>
     server.url, server.requests, server.reloads
+    server = FakeServer("vllm", model_folder, lora=True)       # vLLM with --enable-lora and
+    server.adapter_loads, server.adapter_unloads                # runtime LoRA updating
     server.die_at = (2, 1)        # after the 2nd reload, the 2nd generate request finds it gone
     server.close()
 
 What each checks of a request is what the real server needs to answer as our client expects:
 vLLM's completions take the prompt as a list of ids, ``logprobs`` 0 and ``return_token_ids``
 true; SGLang's generate takes ``input_ids``, ``sampling_params`` and ``return_logprob``. A request
-without them is answered HTTP 400, as the real servers answer a malformed one.
+without them is answered HTTP 400, as the real servers answer a malformed one. With ``lora``, the
+vLLM server has ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (answered with a
+sentence, as vLLM answers) and samples a request whose ``model`` names a loaded adapter with the
+base plus that PEFT folder's adapters; without it those paths are HTTP 404, as on a vLLM started
+without runtime LoRA updating.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -21,9 +28,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import jax.numpy as jnp
+from flax import nnx
 
+from train.core.build import trainable_like
 from train.engine.generator import SamplerGenerator
 from train.engine.sampler import Sampler
+from train.model.lora import load_peft, lora_scale, merge_weights, peft_settings
+from train.model.qwen3 import Qwen3ForCausalLM
 from train.model.weights import load_pretrained
 
 __all__ = ["FakeServer"]
@@ -41,12 +52,15 @@ def _need(body: dict, field: str, kind, where: str = ""):
 
 
 class FakeServer:
-    def __init__(self, kind: str, folder, *, capacity: int = 2048):
+    def __init__(self, kind: str, folder, *, capacity: int = 2048, lora: bool = False):
         if kind not in ("vllm", "sglang"):
             raise ValueError(kind)
-        self.kind = kind
-        model = load_pretrained(folder, dtype=jnp.float32, log=lambda _: None)
-        self.generator = SamplerGenerator(Sampler(model, capacity=capacity))
+        self.kind, self.lora, self.capacity = kind, lora, capacity
+        self.model = load_pretrained(folder, dtype=jnp.float32, log=lambda _: None)
+        self.generator = SamplerGenerator(Sampler(self.model, capacity=capacity))
+        self.adapters: dict[str, SamplerGenerator] = {}  # loaded LoRA adapters by name
+        self.adapter_loads: list[tuple[str, str]] = []  # (name, folder) in order
+        self.adapter_unloads: list[str] = []
         self.requests: list[dict] = []  # every generate request's body
         self.reloads: list[tuple[str, str]] = []  # (folder, version) in order
         self.paused_during_reload: list[bool] = []
@@ -87,6 +101,14 @@ class FakeServer:
                 "/resume": self._resume,
                 "/collective_rpc": self._vllm_rpc,
                 "/reset_prefix_cache": lambda q, b: {},
+                **(
+                    {
+                        "/v1/load_lora_adapter": self._load_adapter,
+                        "/v1/unload_lora_adapter": self._unload_adapter,
+                    }
+                    if self.lora
+                    else {}
+                ),  # fmt: skip
             },
             "sglang": {
                 "/pause_generation": self._pause,
@@ -122,12 +144,14 @@ class FakeServer:
         ):
             raise _Refused(f"mode: {body['mode']}")
         self.paused = True
-        self.generator.pause()
+        for g in (self.generator, *self.adapters.values()):
+            g.pause()
         return {"status": "paused"} if self.kind == "vllm" else {}
 
     def _resume(self, query, body):
         self.paused = False
-        self.generator.resume()
+        for g in (self.generator, *self.adapters.values()):
+            g.resume()
         return {"status": "resumed"} if self.kind == "vllm" else {}
 
     def _reload(self, folder: str, version: str) -> None:
@@ -143,6 +167,28 @@ class FakeServer:
         self._reload(_need(kwargs, "weights_path", str, "kwargs."), "")
         return {"results": [None]}
 
+    def _load_adapter(self, query, body):
+        name, folder = _need(body, "lora_name", str), _need(body, "lora_path", str)
+        if name in self.adapters:
+            raise _Refused(f"The lora adapter '{name}' has already been loaded.")
+        rank, alpha, targets = peft_settings(folder)
+        cfg = dataclasses.replace(self.model.cfg, lora_rank=rank, lora_alpha=alpha,
+                                  lora_targets=targets)  # fmt: skip
+        adapters = load_peft(folder, trainable_like(Qwen3ForCausalLM, cfg), cfg)
+        merged = merge_weights(nnx.state(self.model), adapters, lora_scale(rank, alpha))
+        model = nnx.merge(nnx.graphdef(self.model), merged)
+        self.adapters[name] = SamplerGenerator(Sampler(model, capacity=self.capacity))
+        self.adapter_loads.append((name, folder))
+        self.paused_during_reload.append(self.paused)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def _unload_adapter(self, query, body):
+        name = _need(body, "lora_name", str)
+        if self.adapters.pop(name, None) is None:
+            raise _Refused(f"The lora adapter '{name}' cannot be found.")
+        self.adapter_unloads.append(name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
     def _sglang_reload(self, query, body):
         self._reload(_need(body, "model_path", str), str(body.get("weight_version", "")))
         return {"success": True, "message": "Succeeded to update model weights.",
@@ -151,7 +197,12 @@ class FakeServer:
     def _sample(self, ids, params: dict, stop_ids, seed):
         if not all(isinstance(t, int) for t in ids):
             raise _Refused("prompt: token ids must be integers")
-        return self.generator.generate(
+        generator, name = self.generator, params.get("model")
+        if self.kind == "vllm" and name is not None:
+            if name not in self.adapters:  # vLLM: "The model `name` does not exist." (404)
+                raise LookupError(name)
+            generator = self.adapters[name]
+        return generator.generate(
             ids,
             max_new_tokens=params["max"],
             temperature=float(params.get("temperature", 1.0)),
@@ -246,10 +297,11 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(400, {"error": {"message": str(e), "type": "BadRequestError"}})
         self._send(200, answer)
 
-    def _send(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
+    def _send(self, code: int, body: dict | str) -> None:
+        text = isinstance(body, str)
+        data = body.encode() if text else json.dumps(body).encode()
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", "text/plain" if text else "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)

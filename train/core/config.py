@@ -27,6 +27,7 @@ from envs.chat import TOOL_FALLBACKS
 from train.core.trackers import DEFAULT_LOGGERS, parse_loggers
 from train.engine.rollouts import EngineSettings
 from train.engine.servers import BACKENDS
+from train.engine.weight_sync import PUSH_MODES
 from train.model.lora import LORA_TARGETS
 from train.model.sharding import MeshShape
 
@@ -120,6 +121,7 @@ class TrainConfig:
     rollout_timeout: float = 600.0
     rollout_weights_dir: str = ""
     rollout_weights_dtype: str = "bfloat16"
+    rollout_push: str = "auto"
     # Asynchronous rollouts and the off-policy correction
     max_staleness: int = 0
     is_level: str = "token"
@@ -297,6 +299,8 @@ class TrainConfig:
             raise ValueError(
                 f"rollout_weights_dtype: {self.rollout_weights_dtype!r} is not one of {DTYPES}"
             )
+        if self.rollout_push not in PUSH_MODES:
+            raise ValueError(f"rollout_push: {self.rollout_push!r} is not one of {PUSH_MODES}")
         if self.rollout_concurrency < 0:
             raise ValueError(f"rollout_concurrency: must be >= 0, got {self.rollout_concurrency}")
         if not self.rollout_timeout > 0:
@@ -452,6 +456,9 @@ HELP: dict[str, str] = {
     "rollout_weights_dir": "where the learner writes the weights the servers reload (a path they "
     "read at the same name; default: RUN_DIR/rollout-weights)",
     "rollout_weights_dtype": f"dtype of the weights pushed to the servers, one of {DTYPES}",
+    "rollout_push": "what a LoRA run pushes to the servers: auto (the adapters alone where the "
+    "server loads them, vLLM started with --enable-lora; the merged weights otherwise), adapters "
+    "(refuse a server that does not), merged (always the merge)",
     "micro_batch_tokens": "instead of --micro-batches: micro-batches (of the update and of "
     "scoring) of at most this many padded tokens, rows of similar length together (0: off); "
     "auto: off unless the start-up memory plan needs it, then a budget that fits (a power of two)",

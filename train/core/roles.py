@@ -73,6 +73,7 @@ class Roles:
     frozen: dict[str, Any] = dataclasses.field(default_factory=dict)
     base: dict[str, str] | None = None
     scale: float = 1.0
+    adapted_cfg: Any = None  # LoRA: the adapted model's config (rank, alpha, targets)
 
     @property
     def lora(self) -> bool:
@@ -88,6 +89,10 @@ class Roles:
         if not self.lora:
             return actor_trainable
         return merge_weights(self.frozen["actor"], actor_trainable, self.scale)
+
+    def pushed(self, actor_trainable) -> Adapted:
+        """What a LoRA run hands its servers' push: the base and the actor's adapters apart."""
+        return Adapted(self.frozen["actor"], actor_trainable)
 
 
 def build_roles(
@@ -140,6 +145,7 @@ def build_roles(
         frozen=frozen,
         base={"path": str(path or f"random model, seed {cfg.seed}"), "fingerprint": base_hash},
         scale=lora_scale(mc.lora_rank, mc.lora_alpha),
+        adapted_cfg=mc,
     )
 
 

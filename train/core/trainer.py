@@ -68,7 +68,7 @@ from train.engine.remote import collect_remote
 from train.engine.rollouts import play
 from train.engine.sampler import Sampler
 from train.engine.servers import connect
-from train.engine.weight_sync import WeightPush
+from train.engine.weight_sync import AdapterFolder, WeightPush
 from train.model.sharding import (
     MeshShape,
     batch_sharding,
@@ -236,7 +236,13 @@ class Trainer:
             )
         servers = connect(cfg.rollout_backend, cfg.rollout_urls(), timeout=cfg.rollout_timeout)
         root = cfg.rollout_weights_dir or f"{cfg.run_dir}/rollout-weights"
-        return WeightPush(servers, self.roles.sample_def, root, dtype=cfg.rollout_weights_dtype)
+        lora = None
+        if self.roles.lora:
+            base = self.roles.base
+            lora = AdapterFolder(self.roles.adapted_cfg, self.roles.scale, base["path"],
+                                 base["fingerprint"])  # fmt: skip
+        return WeightPush(servers, self.roles.sample_def, root, dtype=cfg.rollout_weights_dtype,
+                          lora=lora, mode=cfg.rollout_push)  # fmt: skip
 
     def _on_mesh(self, *, sampling: bool = False):
         """The mesh as JAX's current mesh during device work (the model then keeps activation
@@ -307,9 +313,17 @@ class Trainer:
             rows = jax.sharding.NamedSharding(self.mesh, jax.P())
         return put_global(x, rows)
 
+    def _rollout_params(self):
+        """What the step's rollouts sample with: the sampler's weights, or for a LoRA run on
+        servers its base and (a copy of) its adapters apart, which the push sends as adapters or
+        merges ([`WeightPush`][train.engine.weight_sync.WeightPush])."""
+        if self.push is not None and self.roles.lora:
+            return self.roles.pushed(jax.tree.map(jnp.copy, self.state["actor"]))
+        return self._local_params()
+
     def rollout(self, step: int):
         """The step's rollouts: this process's share, then every process's (the global batch)."""
-        return gather_rollouts(self.local_rollouts(step, self._local_params(), self.sampler))
+        return gather_rollouts(self.local_rollouts(step, self._rollout_params(), self.sampler))
 
     def local_rollouts(self, step: int, params, sampler, publish=None, version=None):
         """This process's share of the step's rollouts, sampled with ``params`` (policy version
@@ -622,7 +636,7 @@ class Trainer:
         """A copy of the actor's weights for the worker (the update donates its own; LoRA's
         merged weights are the worker's already)."""
         if self.roles.lora:
-            return self._local_params()
+            return self._rollout_params()
         return jax.tree.map(jnp.copy, self._local_params())
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -11,7 +11,11 @@ Token ids in and out, never text:
   as a list of ids, ``logprobs: 0`` and ``return_token_ids: true``; the answer's
   ``choices[0].token_ids`` and ``choices[0].logprobs.token_logprobs``. New weights:
   ``POST /pause?mode=wait``, ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs":
-  {"weights_path": folder}}``, ``POST /reset_prefix_cache``, ``POST /resume``.
+  {"weights_path": folder}}``, ``POST /reset_prefix_cache``, ``POST /resume``. A LoRA run's
+  adapters alone, where the server was started with ``--enable-lora --max-lora-rank R`` and
+  ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``: ``POST /v1/load_lora_adapter`` ``{"lora_name",
+  "lora_path"}`` (a PEFT folder), then every request names that adapter as its ``model``, and the
+  version before is ``POST /v1/unload_lora_adapter``-ed.
 - **SGLang** (``python -m sglang.launch_server``): ``POST /generate`` with ``input_ids``,
   ``sampling_params`` and ``return_logprob: true``; the answer's
   ``meta_info.output_token_logprobs`` (``[logprob, id, text]`` per sampled token) and
@@ -41,13 +45,32 @@ from typing import Any
 
 from train.engine.generator import Generation
 
-__all__ = ["BACKENDS", "ServerError", "Server", "VLLMServer", "SGLangServer", "Servers", "connect"]
+__all__ = [
+    "BACKENDS",
+    "ServerError",
+    "AdaptersRefused",
+    "Server",
+    "VLLMServer",
+    "SGLangServer",
+    "Servers",
+    "connect",
+]
 
 BACKENDS = ("vllm", "sglang")
 
 
 class ServerError(RuntimeError):
-    """A rollout server failed (it names the server, the endpoint and why)."""
+    """A rollout server failed (it names the server, the endpoint and why); ``status`` is the
+    HTTP code where the server answered, None where it could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class AdaptersRefused(ServerError):
+    """A server that does not load LoRA adapters at run time (its kind has no such endpoint
+    here, or it was not started with them): the push sends merged weights instead."""
 
 
 class Server:
@@ -61,6 +84,7 @@ class Server:
         self.url, self.model = url.rstrip("/"), model
         self.timeout, self.retries = timeout, retries
         self.version = 0
+        self.adapter: str | None = None  # the LoRA adapter requests name (None: served weights)
 
     def post(self, path: str, body: dict | None = None, *, query: str = "") -> Any:
         data = json.dumps(body or {}).encode()
@@ -73,11 +97,12 @@ class Server:
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
                     text = response.read().decode()
-                return json.loads(text) if text.strip() else {}
+                return _answer(text)
             except urllib.error.HTTPError as e:  # the server answered: retrying will not help
                 detail = e.read().decode(errors="replace")[:500]
                 raise ServerError(
-                    f"{self.kind} server {self.url}: POST {path} answered HTTP {e.code}: {detail}"
+                    f"{self.kind} server {self.url}: POST {path} answered HTTP {e.code}: {detail}",
+                    status=e.code,
                 ) from e
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 last = e
@@ -87,6 +112,14 @@ class Server:
             f"{self.kind} server {self.url}: POST {path} failed after {self.retries + 1} "
             f"attempts: {type(last).__name__}: {last}"
         ) from last
+
+    def load_adapter(self, folder: str, version: int, name: str) -> None:
+        """Has the server load the PEFT folder ``folder`` (policy ``version``) under ``name``
+        and sample with it."""
+        raise AdaptersRefused(
+            f"{self.kind} server {self.url}: loading a LoRA adapter at run time is not built for "
+            f"{self.kind} here (the merged weights are pushed instead)"
+        )
 
     def _turn(self, path: str, body: dict, read, where: str) -> Generation:
         """A turn's request; ``read(answer)`` gives (tokens, logprobs, finish reason, version),
@@ -114,9 +147,9 @@ class VLLMServer(Server):
     kind = "vllm"
 
     def generate(self, ids, *, max_new_tokens, temperature, stop_ids, seed, affinity=0):
-        version = self.version
+        version, model = self.version, self.adapter or self.model
         body = {
-            **({"model": self.model} if self.model else {}),
+            **({"model": model} if model else {}),
             "prompt": list(map(int, ids)),
             "max_tokens": int(max_new_tokens),
             "temperature": float(temperature),
@@ -151,6 +184,24 @@ class VLLMServer(Server):
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
         self.post("/collective_rpc", body)
         self.post("/reset_prefix_cache")
+        self.adapter = None
+        self.version = int(version)
+
+    def load_adapter(self, folder: str, version: int, name: str) -> None:
+        try:
+            self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        except ServerError as e:
+            if self.adapter is not None or e.status is None:
+                raise  # it took adapters before, or it cannot be reached: a failure, not a "no"
+            raise AdaptersRefused(
+                f"vllm server {self.url} did not load a LoRA adapter ({e}); start it with "
+                "--enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 to push "
+                "adapters alone",
+                status=e.status,
+            ) from e
+        old, self.adapter = self.adapter, name
+        if old is not None:
+            self.post("/v1/unload_lora_adapter", {"lora_name": old})
         self.version = int(version)
 
 
@@ -246,6 +297,34 @@ class Servers:
             finally:
                 self.resume()
             self.version = int(version)
+
+    def load_adapter(self, folder: str, version: int, name: str) -> None:
+        """Pause, load the adapter folder as ``name`` on every replica and resume;
+        ``AdaptersRefused`` (every replica back on its served weights) where one does not take
+        it."""
+        with self._lock:
+            self.pause()
+            try:
+                for s in self.servers:
+                    s.load_adapter(folder, version, name)
+            except AdaptersRefused:
+                for s in self.servers:
+                    s.adapter = None
+                raise
+            finally:
+                self.resume()
+            self.version = int(version)
+
+
+def _answer(text: str):
+    """A server's answer: its JSON, ``{}`` for none, ``{"text": ...}`` for plain text (vLLM's
+    adapter endpoints answer a sentence)."""
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"text": text}
 
 
 def connect(
