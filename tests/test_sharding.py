@@ -17,7 +17,7 @@ from train.model.qwen3 import Qwen3ForCausalLM
 from train.model.sharding import make_mesh, param_shardings
 
 
-def test_sharded_update_equals_single_device_update():
+def test_sharded_update_equals_single_device_update_full_and_lora():
     script = Path(__file__).parent / "scripts" / "sharded_step.py"
     root = Path(__file__).parent.parent
     env = {**os.environ, "PYTHONPATH": str(root)}
@@ -26,6 +26,7 @@ def test_sharded_update_equals_single_device_update():
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "MAX_DIFF" in out.stdout and "TRAINER_OK" in out.stdout and "LORA_OK" in out.stdout
+    assert "LORA_EQUAL" in out.stdout
 
 
 def test_rules_map_logical_names_to_mesh_axes():

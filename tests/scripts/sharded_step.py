@@ -1,12 +1,15 @@
 """Run in a fresh process with 8 forced host devices (see tests/test_sharding.py): one actor and
 critic update sharded over a (data 2, fsdp 2, tensor 2) mesh must equal the same update on one
-device. Prints MAX_DIFF <float> and exits 0 on success."""
+device, for full fine-tuning and for LoRA adapters on a frozen base. Prints MAX_DIFF and
+LORA_MAX_DIFF <float> and exits 0 on success."""
 
 import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
+
+import dataclasses  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -17,6 +20,7 @@ from mpo_jax import algorithms  # noqa: E402
 from mpo_jax.batch import TurnBatch  # noqa: E402
 from tests.models import tiny_model_config  # noqa: E402
 from train.core.learner import ActionRows, Models, UpdateFns, make_optimizer  # noqa: E402
+from train.model.lora import Adapted, init_trainable  # noqa: E402
 from train.model.qwen3 import Qwen3ForCausalLM, Qwen3ValueModel  # noqa: E402
 from train.model.sharding import batch_sharding, make_mesh, shard_params  # noqa: E402
 
@@ -85,6 +89,61 @@ moved = [
     for x, y in zip(jax.tree.leaves(aparams), jax.tree.leaves(single[0]), strict=True)
 ]
 assert max(moved) > 1e-3, max(moved)  # the update really moved the parameters
+
+# LoRA: the same update of adapters (actor; critic adapters and value head) on one frozen base,
+# sharded by the adapters' logical names beside the sharded base, equals the one-device update.
+lcfg = dataclasses.replace(cfg, lora_rank=4, lora_alpha=8)
+lora_def = nnx.graphdef(nnx.eval_shape(lambda: Qwen3ForCausalLM(lcfg, rngs=nnx.Rngs(0))))
+lora_cdef = nnx.graphdef(nnx.eval_shape(lambda: Qwen3ValueModel(lcfg, rngs=nnx.Rngs(0))))
+lora_fns = UpdateFns(Models(lora_def, lora_cdef), algo, tx, tx, temperature=1.0)
+
+
+def drawn(adapters, seed):
+    """B and a critic's value head drawn (fresh, both are zero, which leaves A, and a critic's
+    adapters, without a gradient)."""
+    flat = []
+    for i, (path, var) in enumerate(nnx.to_flat_state(adapters)):
+        if path[-1] == "lora_b" or "value_head" in path:
+            key = jax.random.key(seed * 1000 + i)
+            var = var.replace(0.1 * jax.random.normal(key, var.get_value().shape))
+        flat.append((path, var))
+    return nnx.from_flat_state(flat)
+
+
+def lora_step(base, a_ad, c_ad, batch):
+    actor = Adapted(base, a_ad)
+    critic = Adapted(nnx.State({"model": base["model"]}), c_ad)
+    (la, _), ga = lora_fns.actor_grad(actor, batch, count, count)
+    a_new, _, ok_a, _ = lora_fns.apply(
+        "actor", jax.tree.map(jnp.copy, a_ad), lora_fns.init("actor", a_ad), ga, la
+    )
+    (lc, _), gc = lora_fns.critic_grad(critic, batch, count)
+    c_new, _, ok_c, _ = lora_fns.apply(
+        "critic", jax.tree.map(jnp.copy, c_ad), lora_fns.init("critic", c_ad), gc, lc
+    )
+    assert bool(ok_a) and bool(ok_c)
+    return a_new, c_new, la, lc
+
+
+a_ad = drawn(init_trainable(Qwen3ForCausalLM, lcfg, 0), 0)
+c_ad = drawn(init_trainable(Qwen3ValueModel, lcfg, 1), 1)
+lora_single = lora_step(aparams, a_ad, c_ad, jax.tree.map(jnp.asarray, batch))
+s_ad, s_cad = shard_params(a_ad, mesh), shard_params(c_ad, mesh)
+lora_a = s_ad["model"]["layers"][0]["layer"]["mlp"]["gate_proj"]["lora"]["lora_a"].get_value()
+assert len(lora_a.sharding.device_set) == 8, lora_a.sharding
+lora_sharded = lora_step(sa, s_ad, s_cad, sharded_batch)
+lora_diffs = [
+    float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+    for x, y in zip(jax.tree.leaves(lora_single), jax.tree.leaves(lora_sharded), strict=True)
+]
+print("LORA_MAX_DIFF", max(lora_diffs))
+assert max(lora_diffs) < 1e-4, max(lora_diffs)
+lora_moved = [
+    float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+    for x, y in zip(jax.tree.leaves((a_ad, c_ad)), jax.tree.leaves(lora_single[:2]), strict=True)
+]
+assert min(lora_moved) > 1e-3, lora_moved  # every adapter matrix and the value head moved
+print("LORA_EQUAL")
 
 # The trainer end to end on the same mesh: two steps of the default preset.
 import tempfile  # noqa: E402
