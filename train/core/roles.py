@@ -10,8 +10,11 @@ weights are held is this module's one job:
 * **LoRA** (``--lora-rank R``): one frozen base. The actor is the base plus the actor's adapters,
   the critic the base's trunk (the same arrays) plus its own adapters and a value head trained in
   full, the reference the base under the unadapted model's graph: no second or third copy of the
-  base. The sampler and the inference servers get merged weights, ``W + (α / r) A B``
-  ([`train.model.lora.merge_weights`][train.model.lora.merge_weights]), once per published version.
+  base. The sampler gets merged weights, ``W + (α / r) A B``
+  ([`train.model.lora.merge_weights`][train.model.lora.merge_weights]), once per published version
+  (measured faster than applying the adapters in its projections: benchmarks/lora_generation.py);
+  inference servers get the adapters alone where they load them, else the same merge
+  ([`train.engine.weight_sync.WeightPush`][train.engine.weight_sync.WeightPush]).
 
 The trainer's state holds what trains (`Roles.trainable`);
 [`Roles.params`][train.core.roles.Roles.params] gives what a scoring or loss function reads, and
