@@ -633,8 +633,8 @@ class Trainer:
             worker.stop()
 
     def _published(self):
-        """A copy of the actor's weights for the worker (the update donates its own; LoRA's
-        merged weights are the worker's already)."""
+        """A copy of the actor's weights for the worker (the update donates its own; a LoRA
+        run's are made anew: merged, or its adapters copied for a server push)."""
         if self.roles.lora:
             return self._rollout_params()
         return jax.tree.map(jnp.copy, self._local_params())

@@ -289,28 +289,25 @@ class Servers:
 
     def load_weights(self, folder: str, version: int) -> None:
         """Pause, reload and resume every replica (so no turn mixes two versions)."""
-        with self._lock:
-            self.pause()
-            try:
-                for s in self.servers:
-                    s.load_weights(folder, version)
-            finally:
-                self.resume()
-            self.version = int(version)
+        self._each_paused(lambda s: s.load_weights(folder, version), version)
 
     def load_adapter(self, folder: str, version: int, name: str) -> None:
         """Pause, load the adapter folder as ``name`` on every replica and resume;
         ``AdaptersRefused`` (every replica back on its served weights) where one does not take
         it."""
+        try:
+            self._each_paused(lambda s: s.load_adapter(folder, version, name), version)
+        except AdaptersRefused:
+            for s in self.servers:
+                s.adapter = None
+            raise
+
+    def _each_paused(self, load, version: int) -> None:
         with self._lock:
             self.pause()
             try:
                 for s in self.servers:
-                    s.load_adapter(folder, version, name)
-            except AdaptersRefused:
-                for s in self.servers:
-                    s.adapter = None
-                raise
+                    load(s)
             finally:
                 self.resume()
             self.version = int(version)
