@@ -4,6 +4,7 @@
     python benchmarks/model.py --model-path models/smollm2-135m-instruct --batch 2 --seq 512
     python benchmarks/model.py --model-path models/smollm2-135m-instruct --batch 2 --seq 512 \
         --lora-rank 16                       # and LoRA: our updates against torch + peft
+        [--tunix-python VENV/bin/python]     # and google-tunix's LoRA (benchmarks/tunix_lora.py)
 
 Both sides run the same checkpoint (a random Qwen3 written by transformers, or ``--model-path``:
 any folder both load, e.g. the converted SmolLM2) in
@@ -17,7 +18,9 @@ both sides are checked equal first.
 With ``--lora-rank R`` (alpha 2R, every projection adapted on both sides): torch + peft's LoRA
 forward+backward (gradients for the adapters alone) against our LoRA actor update, and our LoRA
 actor and critic updates together, per model (one frozen base; the critic's value head trained
-in full).
+in full). ``--tunix-python``: also google-tunix's LoRA (qwix adapters on tunix's Llama 3, the
+same rows, rank and projections; forward+backward and an AdamW step) from that environment's
+Python (``benchmarks/tunix_lora.py``; tunix pins its own jax and flax), after the other two sides.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -210,6 +214,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--model-path", help="a Hugging Face folder instead of a random Qwen3")
     p.add_argument("--lora-rank", type=int, default=0, help="also LoRA rows at this rank")
+    p.add_argument("--tunix-python", help="with --lora-rank: a Python with google-tunix")
     p.add_argument("--side", choices=("torch", "ours"), help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -240,6 +245,7 @@ def main() -> None:
                 raise SystemExit(f"the {side} side failed:\n{proc.stderr[-3000:]}")
             out = proc.stdout
             results[side] = json.loads(out.strip().splitlines()[-1])
+    t_tunix = _time_tunix(args) if args.tunix_python and args.lora_rank else None
     t_fwd, t_fb, t_fb_chunked, t_actor, t_critic, *lora_ours = results["ours"]["times"]
     t_tfwd, t_tfb, *lora_torch = results["torch"]["times"]
 
@@ -283,6 +289,27 @@ def main() -> None:
             f"| LoRA against full fine-tuning: our actor update | {tokens / t_lactor:,.0f} | "
             f"(full: {tokens / t_actor:,.0f}) | {t_actor / t_lactor:.2f}x |"
         )
+        if t_tunix is not None:
+            print(
+                f"| LoRA rank {r}: our actor update vs google-tunix (qwix) forward+backward+AdamW "
+                f"| {tokens / t_lactor:,.0f} | (tunix: {tokens / t_tunix:,.0f}) | "
+                f"{t_tunix / t_lactor:.2f}x |"
+            )
+
+
+def _time_tunix(args) -> float:
+    """Seconds of one google-tunix LoRA update on the same rows (its own process and Python)."""
+    if not args.model_path:
+        raise SystemExit("--tunix-python: needs --model-path (tunix loads a Llama folder)")
+    script = Path(__file__).with_name("tunix_lora.py")
+    cmd = [args.tunix_python, str(script), "--model-path", args.model_path, "--batch",
+           str(args.batch), "--seq", str(args.seq), "--rank", str(args.lora_rank), "--reps",
+           str(args.reps)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("TUNIX_TOKS ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"the tunix side failed:\n{proc.stderr[-3000:]}")
+    return args.batch * args.seq / float(lines[-1].split()[1])
 
 
 if __name__ == "__main__":
