@@ -86,6 +86,9 @@ def test_targets_adapt_only_the_named_projections_and_moe_experts_never():
         lora.check_targets(("gate_proj",), moe)
     with pytest.raises(ValueError, match="lora_targets"):
         lora_config(TrainConfig(lora_rank=2, lora_targets="mlp"), moe)
+    # the default, all, is every projection the model has: attention alone on an all-MoE model
+    assert lora_config(TrainConfig(lora_rank=2), moe).lora_targets == lora.LORA_TARGETS[:4]
+    assert lora_config(TrainConfig(lora_rank=2), CFG).lora_targets == lora.LORA_TARGETS
 
 
 def _lora_flags(tmp_path, *extra):

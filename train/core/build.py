@@ -262,10 +262,15 @@ def restore_model(run_dir: str | Path, mc: ModelConfig, *, step=None, part: str 
 
 def lora_config(cfg: TrainConfig, mc: ModelConfig) -> ModelConfig:
     """``mc`` with ``cfg``'s adapters (``--lora-targets`` checked against the model's
-    projections: [`train.model.lora.check_targets`][train.model.lora.check_targets])."""
-    from train.model.lora import check_targets
+    projections: [`train.model.lora.check_targets`][train.model.lora.check_targets]; ``all``, the
+    default, is every projection the model has, so on a model whose every layer is MoE the
+    attention projections)."""
+    from train.model.lora import check_targets, projections
 
-    targets = check_targets(cfg.lora_target_names(), mc)
+    names = cfg.lora_target_names()
+    if cfg.lora_targets == "all":  # every projection the model has: attention alone on all-MoE
+        names = tuple(t for t in names if t in projections(mc))
+    targets = check_targets(names, mc)
     return dataclasses.replace(
         mc, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_targets=targets
     )

@@ -120,7 +120,7 @@ def bind(graphdef, params) -> nnx.Module:
     return nnx.merge(graphdef, params)
 
 
-def _projections(cfg) -> list[str]:
+def projections(cfg) -> list[str]:
     """The projection names of `LORA_TARGETS` that ``cfg`` has in at least one layer (the
     MLP's only where some layer is dense: MoE experts are not adapted)."""
     dense = any(not cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
@@ -130,7 +130,7 @@ def _projections(cfg) -> list[str]:
 def adapted_names(cfg) -> list[str]:
     """The module names the adapters of ``cfg`` sit on in at least one layer (an MLP name adapts
     nothing on a model whose every layer is MoE)."""
-    present = _projections(cfg)
+    present = projections(cfg)
     return [t for t in cfg.lora_targets if t in present]
 
 
@@ -138,7 +138,7 @@ def check_targets(targets, cfg) -> tuple[str, ...]:
     """``targets`` as a tuple, refused (``ValueError`` naming ``--lora-targets`` and listing the
     model's projection names) when one is not a projection name or names no module of ``cfg``."""
     targets = tuple(targets)
-    present = _projections(cfg)
+    present = projections(cfg)
     wrong = [t for t in targets if t not in present]
     if wrong or not targets:
         why = (
