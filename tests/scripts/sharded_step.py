@@ -75,19 +75,23 @@ sa, sc = shard_params(aparams, mesh), shard_params(cparams, mesh)
 kernel = sa["model"]["layers"][0]["layer"]["mlp"]["gate_proj"]["kernel"].get_value()
 assert len(kernel.sharding.device_set) == 8, kernel.sharding  # really spread over the mesh
 sharded = step(sa, sc, sharded_batch)
-diffs = [
-    float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-    for x, y in zip(jax.tree.leaves(single), jax.tree.leaves(sharded), strict=True)
-]
+
+
+def leaf_diffs(a, b) -> list[float]:
+    """The largest absolute difference of each pair of leaves of two like trees."""
+    return [
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    ]
+
+
+diffs = leaf_diffs(single, sharded)
 print("MAX_DIFF", max(diffs))
 # Adam's first step moves a parameter by lr * g / (|g| + eps): float noise between the sharded
 # and the one-device gradient shows up, for gradients near eps, as a small fraction of lr (1e-2
 # here). A wrong update (wrong rows, a missing reduction) moves many parameters by about lr.
 assert max(diffs) < 1e-4, max(diffs)
-moved = [
-    float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-    for x, y in zip(jax.tree.leaves(aparams), jax.tree.leaves(single[0]), strict=True)
-]
+moved = leaf_diffs(aparams, single[0])
 assert max(moved) > 1e-3, max(moved)  # the update really moved the parameters
 
 # LoRA: the same update of adapters (actor; critic adapters and value head) on one frozen base,
@@ -132,16 +136,10 @@ s_ad, s_cad = shard_params(a_ad, mesh), shard_params(c_ad, mesh)
 lora_a = s_ad["model"]["layers"][0]["layer"]["mlp"]["gate_proj"]["lora"]["lora_a"].get_value()
 assert len(lora_a.sharding.device_set) == 8, lora_a.sharding
 lora_sharded = lora_step(sa, s_ad, s_cad, sharded_batch)
-lora_diffs = [
-    float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-    for x, y in zip(jax.tree.leaves(lora_single), jax.tree.leaves(lora_sharded), strict=True)
-]
+lora_diffs = leaf_diffs(lora_single, lora_sharded)
 print("LORA_MAX_DIFF", max(lora_diffs))
 assert max(lora_diffs) < 1e-4, max(lora_diffs)
-lora_moved = [
-    float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-    for x, y in zip(jax.tree.leaves((a_ad, c_ad)), jax.tree.leaves(lora_single[:2]), strict=True)
-]
+lora_moved = leaf_diffs((a_ad, c_ad), lora_single[:2])
 assert min(lora_moved) > 1e-3, lora_moved  # every adapter matrix and the value head moved
 print("LORA_EQUAL")
 
