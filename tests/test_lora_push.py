@@ -101,7 +101,7 @@ def test_a_pushed_adapter_is_what_the_server_samples_with(folder, tmp_path):
     fake = FakeServer("vllm", folder, capacity=64, lora=True)
     cfg, adapters = _drawn_adapters(fake.model)
     push = WeightPush(connect("vllm", [fake.url]), None, tmp_path / "w", mode="adapters",
-                      lora=AdapterFolder(cfg, 2.0, str(folder), "0123"))  # fmt: skip
+                      lora=AdapterFolder(cfg, str(folder), "0123"))  # fmt: skip
     ours = nnx.merge(nnx.graphdef(nnx.eval_shape(lambda: Qwen3ForCausalLM(cfg, rngs=nnx.Rngs(0)))),
                      nnx.state(fake.model), adapters)  # fmt: skip
     kwargs = dict(max_new_tokens=4, temperature=1.0, stop_ids=(), seed=5)
@@ -127,7 +127,7 @@ def test_pushing_adapters_to_a_server_that_refuses_them_is_an_error_when_asked_f
     sglang = FakeServer("sglang", folder, capacity=64)
     cfg, adapters = _drawn_adapters(plain.model)
     params = Adapted(nnx.state(plain.model), adapters)
-    lora = AdapterFolder(cfg, 2.0, str(folder), "0123")
+    lora = AdapterFolder(cfg, str(folder), "0123")
     try:
         push = WeightPush(connect("vllm", [plain.url]), None, tmp_path / "w", lora=lora,
                           mode="adapters")  # fmt: skip

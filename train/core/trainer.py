@@ -239,8 +239,7 @@ class Trainer:
         lora = None
         if self.roles.lora:
             base = self.roles.base
-            lora = AdapterFolder(self.roles.adapted_cfg, self.roles.scale, base["path"],
-                                 base["fingerprint"])  # fmt: skip
+            lora = AdapterFolder(self.roles.adapted_cfg, base["path"], base["fingerprint"])
         return WeightPush(servers, self.roles.sample_def, root, dtype=cfg.rollout_weights_dtype,
                           lora=lora, mode=cfg.rollout_push)  # fmt: skip
 

@@ -39,7 +39,7 @@ from typing import Any
 from flax import nnx
 
 from train.engine.servers import AdaptersRefused
-from train.model.lora import Adapted, merge_weights, save_peft
+from train.model.lora import Adapted, lora_scale, merge_weights, save_peft
 from train.model.weights import save_pretrained
 
 __all__ = ["WeightPush", "AdapterFolder", "PUSH_MODES"]
@@ -49,13 +49,16 @@ PUSH_MODES = ("auto", "adapters", "merged")
 
 @dataclasses.dataclass(frozen=True)
 class AdapterFolder:
-    """What writing a LoRA run's adapters as PEFT's folder needs: the adapted model's config,
-    the scale α / r, and the base's path and fingerprint."""
+    """What writing a LoRA run's adapters as PEFT's folder needs: the adapted model's config
+    (rank, alpha, targets) and the base's path and fingerprint."""
 
     cfg: Any
-    scale: float
     base_path: str
     base_hash: str
+
+    @property
+    def scale(self) -> float:
+        return lora_scale(self.cfg.lora_rank, self.cfg.lora_alpha)
 
 
 class WeightPush:
