@@ -311,10 +311,12 @@ def success_rate(game: str, player: str, *, episodes: int, split: str = "test",
     * 1_000_003``; intervals: [`wilson`][train.study.real_model.wilson])."""
     import envs
 
-    fn = PLAYERS[game_family(envs.make(game, seed=0, **options).game_id)][player]
+    if episodes < 1:
+        raise ValueError(f"episodes: must be >= 1, got {episodes}")
     rng = random.Random(f"{player}:{first_seed}")
-    wins = sum(
-        play(envs.make(game, seed=first_seed + i, split=split, **options), fn, rng)
-        for i in range(episodes)
-    )
+    fn, wins = None, 0
+    for i in range(episodes):
+        env = envs.make(game, seed=first_seed + i, split=split, **options)
+        fn = fn or PLAYERS[game_family(env.game_id)][player]  # the first game names the family
+        wins += play(env, fn, rng)
     return wins / episodes, wins

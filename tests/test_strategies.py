@@ -83,6 +83,8 @@ def test_reference_lines_match_their_arithmetic():
     first, _ = success_rate("secretary", "accept_first", episodes=300)
     best, _ = success_rate("secretary", "optimal_thresholds", episodes=300)
     assert best > first + 0.2  # the full-information optimum beats the first value by far
+    with pytest.raises(ValueError, match="episodes: must be >= 1"):
+        success_rate("guess-the-number", "bisection", episodes=0)
 
 
 def test_secretary_thresholds_solve_their_equation():
