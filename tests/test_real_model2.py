@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from train.study import real_model2
 from train.study.real_model2 import GAMES, Cell, cells, paired_difference
@@ -31,6 +32,13 @@ def test_the_paired_difference_is_over_the_seeds_both_finished():
     assert d["n"] == 2 and np.allclose(d["each"], [0.4, 0.2])
     assert d["low"] <= d["mean"] == np.mean([0.4, 0.2]) <= d["high"]
     assert paired_difference(a, {}, "x") is None
+
+
+def test_a_mean_curve_is_over_the_steps_every_seed_reached():
+    curves = [[[5, 10, 15], [0.2, 0.4, 0.6]], [[5, 10], [0.4, 0.6]]]
+    assert real_model2.mean_curve(curves) == ([5, 10], [pytest.approx(0.3), pytest.approx(0.5)])
+    assert real_model2.mean_curve([curves[0], None]) is None  # a seed without the metric
+    assert real_model2.mean_curve([[[5], [0.1]], [[10], [0.2]]]) is None  # no common step
 
 
 def _fake_runs(monkeypatch, calls):
@@ -92,6 +100,8 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     assert "scripted `random_distinct` | 55 [50, 60]" in text
     assert "MPO - GRPO, paired by seed (4 seeds)" in text
     assert (out / "curves_guess-the-number.png").exists()
+    # the strategy metric by step, from the held-out evaluations (0.9), not the rollouts (0.8)
+    assert "| mpo | 0.90 | 0.90 | 0.90 | 0.90 |" in text
 
     calls.clear()  # a second call reruns nothing: every step is skipped as done
     assert real_model2.main(argv) == 0

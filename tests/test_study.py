@@ -282,6 +282,8 @@ def test_real_model_report_pools_the_start_and_summarises_seeds(tmp_path):
     assert "## The best run, exported" in text and "70 [60, 78]" in text
     assert "Within its interval." in text and "python -m train.evaluate --model-path X" in text
     assert real_model.best_run({}) is None
+    [png] = real_model.plot(results, tmp_path)
+    assert png.name == f"curves_{game}.png" and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_real_model_report_keeps_recorded_runs_and_the_study_skips_them(tmp_path, monkeypatch):

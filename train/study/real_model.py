@@ -451,37 +451,21 @@ def markdown(results: dict[str, Any], exported: dict[str, Any] | None = None) ->
 
 
 def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from train.study import figures
 
     paths = []
     for game, entry in results.items():
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        fig, axes = figures.panels()
+        ax = axes[0][0]
         for preset, p in entry["presets"].items():
             c = p.get("curve")
-            if c is None:
-                continue
-            (line,) = ax.plot(
-                c["steps"],
-                c["mean"],
-                marker="o",
-                label=f"{preset} ({p['heldout_final']['n']} seeds)",
-            )
-            ax.fill_between(c["steps"], c["low"], c["high"], color=line.get_color(), alpha=0.15)
+            if c is not None:
+                label = f"{preset} ({p['heldout_final']['n']} seeds)"
+                figures.band(ax, c["steps"], c["mean"], c["low"], c["high"], label=label)
         ax.axhline(entry["start"]["success"], color="grey", ls="--", label="start")
-        ax.set_title(f"SmolLM2-135M-Instruct on {game}: held-out success")
-        ax.set_xlabel("training step")
-        ax.set_ylabel("held-out success rate")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"curves_{game}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+        title = f"SmolLM2-135M-Instruct on {game}: held-out success"
+        figures.rate_axes(ax, title, "held-out success rate")
+        paths.append(figures.save(fig, out_dir / f"curves_{game}.png"))
     return paths
 
 

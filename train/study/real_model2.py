@@ -89,6 +89,8 @@ RL_FLAGS = [
     "--micro-batch-tokens", "4096", "--minibatches", "1",
     "--eval-every", "5", "--eval-episodes", "25", "--eval-k", "2", "--checkpoint-every", "2",
 ]  # fmt: skip
+# the scripted player whose strategy metric is exactly 1.0, drawn on the metric's panel
+METRIC_IDEAL = {"hint_consistency": "every guess inside the hints", "path_ratio": "shortest path"}
 WARM_SEEDS = (0, 1, 2, 3)  # the warm start's 200 held-out episodes: 4 x 25 tasks x 2 samples
 HELDOUT = "eval_heldout_success_rate"
 
@@ -171,10 +173,9 @@ def cell_figures(cell: Cell, root: Path, warm: dict[str, Any]) -> dict[str, Any]
     metric = GAMES[cell.game]["metric"]
     figures[metric] = last.get(f"eval_heldout_env_{metric}")
     figures["format_errors"] = last.get("eval_heldout_env_format_error_rate")
-    figures["metric_curve"] = [
-        [r["step"] for r in rows if f"env_{metric}" in r],
-        [r[f"env_{metric}"] for r in rows if f"env_{metric}" in r],
-    ]
+    for name, key in (("metric_curve", f"env_{metric}"),
+                      ("heldout_metric_curve", f"eval_heldout_env_{metric}")):  # fmt: skip
+        figures[name] = [[r["step"] for r in rows if key in r], [r[key] for r in rows if key in r]]
     # the steps' own seconds (evaluations apart), summed from the metrics: right for a run
     # resumed after a kill too, whose last invocation's wall time covers only its last steps
     phases = ("rollout_s", "scoring_s", "credit_s", "update_s")
@@ -286,6 +287,18 @@ def markdown(results: dict[str, Any], lines: dict[str, Any]) -> str:
                 f"{100 * d['mean']:+.0f} points [{100 * d['low']:+.0f}, {100 * d['high']:+.0f}], "
                 f"AUC {100 * a['mean']:+.0f} [{100 * a['low']:+.0f}, {100 * a['high']:+.0f}].",
             ]
+        by_step = {p: mean_curve([f.get("heldout_metric_curve") for f in e["seeds"].values()])
+                   for p, e in entry["presets"].items()}  # fmt: skip
+        steps = sorted({s for c in by_step.values() if c for s in c[0]})
+        if steps:
+            out += ["", f"Held-out {metric} by step (mean over seeds; warm start "
+                    f"{warm.get(metric, float('nan')):.2f}):", "",
+                    f"| preset | {' | '.join(f'step {s}' for s in steps)} |",
+                    f"|---|{'---|' * len(steps)}"]  # fmt: skip
+            for preset, c in by_step.items():
+                value = dict(zip(*c, strict=True)) if c else {}
+                row = " | ".join(f"{value[s]:.2f}" if s in value else "" for s in steps)
+                out.append(f"| {preset} | {row} |")
         out += ["", "| run | rollout s | scoring s | update s |", "|---|---|---|---|"]
         for preset, p in entry["presets"].items():
             for seed, f in sorted(p["seeds"].items()):
@@ -295,32 +308,47 @@ def markdown(results: dict[str, Any], lines: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def plot(results: dict[str, Any], lines: dict[str, Any], out_dir: Path) -> None:
-    import matplotlib
+def mean_curve(curves: list[list[list[float]] | None]) -> tuple[list, list] | None:
+    """The seeds' mean ([steps, values] each) over the steps every seed reached; None when a
+    seed has no curve or they share no step."""
+    if not curves or any(not c or not c[0] for c in curves):
+        return None
+    steps = sorted(set.intersection(*(set(c[0]) for c in curves)))
+    if not steps:
+        return None
+    at = [dict(zip(*c, strict=True)) for c in curves]
+    return steps, [float(np.mean([a[s] for a in at])) for s in steps]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def plot(results: dict[str, Any], lines: dict[str, Any], out_dir: Path) -> None:
+    """Per game, two panels: held-out success with the reference lines and the warm start, and
+    the game's strategy metric in the same held-out evaluations (each preset's mean over seeds)."""
+    from train.study.figures import band, panels, rate_axes, save
 
     for game, entry in results.items():
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        metric, warm = GAMES[game]["metric"], entry["warm_start"]
+        fig, [[success, strategy]] = panels(1, 2)
         for preset, p in entry["presets"].items():
-            curves = [f["heldout_curve"] for f in p["seeds"].values()]
-            if curves and all(c[0] == curves[0][0] for c in curves):
-                ax.plot(curves[0][0], np.mean([c[1] for c in curves], axis=0), marker="o",
-                        label=f"{preset} ({len(curves)} seeds)")  # fmt: skip
+            seeds = list(p["seeds"].values())
+            for ax, key in ((success, "heldout_curve"), (strategy, "heldout_metric_curve")):
+                curve = mean_curve([f.get(key) for f in seeds])
+                if curve:
+                    band(ax, *curve, label=f"{preset} ({len(seeds)} seeds)")
+        at: dict[float, list[str]] = {}  # players on the same line share one label
         for player, f in lines.get(game, {}).items():
-            ax.axhline(f["success"], ls=":", lw=1, color="grey")
-            ax.text(0, f["success"], f" {player}", fontsize=7, va="bottom", color="grey")
-        ax.axhline(entry["warm_start"]["success"], color="black", ls="--", label="warm start")
-        ax.set_title(f"SmolLM2-135M-Instruct on {game} from a format-only warm start")
-        ax.set_xlabel("training step")
-        ax.set_ylabel("held-out success rate")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / f"curves_{game}.png", dpi=90)
-        plt.close(fig)
+            at.setdefault(f["success"], []).append(player)
+        for rate, players in at.items():
+            success.axhline(rate, ls=":", lw=1, color="grey")
+            success.text(0, rate, f" {', '.join(players)}", fontsize=7, va="bottom", color="grey")
+        success.axhline(warm["success"], color="black", ls="--", label="warm start")
+        if warm.get(metric) is not None:
+            strategy.axhline(warm[metric], color="black", ls="--", label="warm start")
+        strategy.axhline(1.0, ls=":", lw=1, color="grey", label=f"{METRIC_IDEAL[metric]} (1.0)")
+        rate_axes(success, f"SmolLM2-135M on {game} from a format-only warm start",
+                  "held-out success rate")  # fmt: skip
+        rate_axes(strategy, f"{metric} in the same held-out games", metric,
+                  unit_range=metric != "path_ratio")  # fmt: skip
+        save(fig, out_dir / f"curves_{game}.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -421,39 +421,21 @@ ROUND1_PANELS = (("presets", PRESET_VARIANTS), ("MPO ablations", ABLATIONS))
 
 def plot(results: dict[str, Any], out_dir: Path, panels=ROUND1_PANELS) -> list[Path]:
     """One figure per section: a column per panel (title, variants), held-out and fresh rows."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from train.study import figures
 
     paths = []
     for env, by_variant in results.items():
-        fig, axes = plt.subplots(
-            2, len(panels), figsize=(6 * len(panels), 8), sharex=True, sharey=True, squeeze=False
-        )
+        fig, axes = figures.panels(2, len(panels), figsize=(6 * len(panels), 8), sharex=True,
+                                   sharey=True)  # fmt: skip
         for col, (title, names) in enumerate(panels):
             for row, curve in enumerate(("heldout", "fresh")):
                 ax = axes[row][col]
                 for variant in names:
                     c = by_variant.get(variant, {}).get("curves", {}).get(curve)
-                    if not c:
-                        continue
-                    (line,) = ax.plot(c["steps"], c["mean"], label=variant, marker="o", ms=3)
-                    ax.fill_between(
-                        c["steps"], c["low"], c["high"], color=line.get_color(), alpha=0.15
-                    )
-                ax.set_title(f"{env}: {title}, {curve} success")
-                ax.set_xlabel("training step")
-                ax.set_ylabel(f"{curve} success rate")
-                ax.set_ylim(-0.02, 1.02)
-                ax.grid(alpha=0.3)
-                if ax.get_legend_handles_labels()[0]:
-                    ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"curves_{env.replace('/', '_')}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        paths.append(path)
+                    if c:
+                        figures.band(ax, c["steps"], c["mean"], c["low"], c["high"], label=variant)
+                figures.rate_axes(ax, f"{env}: {title}, {curve} success", f"{curve} success rate")
+        paths.append(figures.save(fig, out_dir / f"curves_{env.replace('/', '_')}.png"))
     return paths
 
 
