@@ -103,6 +103,22 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     # the strategy metric by step, from the held-out evaluations (0.9), not the rollouts (0.8)
     assert "| mpo | 0.90 | 0.90 | 0.90 | 0.90 |" in text
 
+    cell, best = real_model2.best_run(results)
+    ends = {(p, int(k)): f["heldout_final"] for p, e in entry["presets"].items()
+            for k, f in e["seeds"].items()}  # fmt: skip
+    assert best["heldout_final"] == max(ends.values()) == ends[(cell.preset, cell.seed)]
+    assert real_model2.best_run({}) is None
+    exported = {"cell": {"game": cell.game, "preset": cell.preset, "seed": cell.seed},
+                "run_last_eval": [0.6, 0.46, 0.72], "export_eval": [0.58, 0.48, 0.67],
+                "export_episodes": 96, "logits_max_abs_diff": 2e-5, "agrees": True,
+                "command": "python -m train.evaluate --model-path E"}  # fmt: skip
+    (out / "export.json").write_text(json.dumps(exported))  # an export's record joins the report
+    assert real_model2.main([*argv, "--report-only"]) == 0
+    assert "## The best run, exported" in (out / "results.md").read_text()
+    (out / "export.json").unlink()
+    with pytest.raises(SystemExit, match="not on this machine"):  # recorded, not here: refused
+        real_model2.main([*argv[:3], str(tmp_path / "elsewhere"), *argv[4:], "--export-best"])
+
     calls.clear()  # a second call reruns nothing: every step is skipped as done
     assert real_model2.main(argv) == 0
     assert [m for m, _ in calls if m == "train.evaluate"] == []

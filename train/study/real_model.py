@@ -432,22 +432,26 @@ def markdown(results: dict[str, Any], exported: dict[str, Any] | None = None) ->
                 lines.append(f"| {preset} s{seed} | {errors} | {phases} |")
         lines.append("")
     if exported is not None:
-        run_end, export_end = exported["run_last_eval"], exported["export_eval"]
-        c = exported["cell"]
-        lines += [
-            "## The best run, exported",
-            "",
-            f"`{c['preset']}` seed {c['seed']} exported with `train.export` (float32) and loaded "
-            f"with transformers: its logits equal the run's own to "
-            f"{exported['logits_max_abs_diff']:.1e} (max abs) on a held-out prompt. "
-            f"`train.evaluate` on the export, {exported['export_episodes']} held-out episodes: "
-            f"{_pct(*export_end)}; the run's last evaluation: {_pct(*run_end)}. "
-            + ("Within its interval." if exported["agrees"] else "Outside its interval."),
-            "",
-            f"    {exported['command']}",
-            "",
-        ]
+        lines += export_section(exported)
     return "\n".join(lines)
+
+
+def export_section(exported: dict[str, Any]) -> list[str]:
+    """The report's lines on an exported run (`export_run`'s record)."""
+    run_end, export_end, c = exported["run_last_eval"], exported["export_eval"], exported["cell"]
+    return [
+        "## The best run, exported",
+        "",
+        f"`{c['preset']}` seed {c['seed']} exported with `train.export` (float32) and loaded "
+        f"with transformers: its logits equal the run's own to "
+        f"{exported['logits_max_abs_diff']:.1e} (max abs) on a held-out prompt. "
+        f"`train.evaluate` on the export, {exported['export_episodes']} held-out episodes: "
+        f"{_pct(*export_end)}; the run's last evaluation: {_pct(*run_end)}. "
+        + ("Within its interval." if exported["agrees"] else "Outside its interval."),
+        "",
+        f"    {exported['command']}",
+        "",
+    ]
 
 
 def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -484,11 +488,21 @@ def best_run(results: dict[str, Any]) -> tuple[Cell, dict] | None:
 
 
 def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, Any]:
-    """Exports the best run (``train.export``, float32) to ``<runs>/export-<game>-<preset>-seed<k>``
-    (named for the run: a later best run never reuses an earlier one's export), loads it with
-    transformers and compares its logits with the run's own on one held-out prompt, then
-    evaluates the export with ``train.evaluate`` on `EXPORT_TASKS` x `EXPORT_K` held-out episodes;
-    ``agrees``: the export's rate lies within the run's last evaluation's Wilson interval."""
+    """`export_run` on the `best_run` of the main game."""
+    found = best_run(results)
+    if found is None:
+        raise SystemExit("--export-best: no finished run of the main game yet")
+    return export_run(root, *found)
+
+
+def export_run(root: Path, cell, figures: dict[str, Any]) -> dict[str, Any]:
+    """Exports ``cell``'s run (``train.export``, float32) to
+    ``<runs>/export-<game>-<preset>-seed<k>`` (named for the run: a later best run never reuses an
+    earlier one's export), loads it with transformers and compares its logits with the run's own
+    on one held-out prompt, then evaluates the export with ``train.evaluate`` on `EXPORT_TASKS`
+    x `EXPORT_K` held-out episodes; ``agrees``: the export's rate lies within the run's last
+    evaluation's Wilson interval. ``cell``: any study's (``game``, ``preset``, ``seed``,
+    ``run_dir(root)``); ``figures``: its `run_figures`."""
     import jax.numpy as jnp
     import torch
     import transformers
@@ -497,10 +511,6 @@ def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, An
     from train import export
     from train.core.build import model_config, restore_model, run_codec, run_config
 
-    found = best_run(results)
-    if found is None:
-        raise SystemExit("--export-best: no finished run of the main game yet")
-    cell, figures = found
     run_dir = cell.run_dir(root)
     out = Path(root) / f"export-{cell.game}-{cell.preset}-seed{cell.seed}"
     if not (run_dir / "config.json").exists():
@@ -529,7 +539,7 @@ def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, An
     low, high = figures["heldout_final_wilson"]
     return {
         "run": str(run_dir),
-        "cell": dataclasses.asdict(cell),
+        "cell": {"game": cell.game, "preset": cell.preset, "seed": cell.seed},
         "run_last_eval": [figures["heldout_final"], low, high],
         "export_eval": list(wilson(round(rate * episodes), episodes)),
         "export_episodes": episodes,

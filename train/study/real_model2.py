@@ -3,6 +3,7 @@
     make smollm2                                       # the model, converted once
     python -m train.study.real_model2                  # every step below (resumable)
     python -m train.study.real_model2 --report-only    # aggregate what is there
+    python -m train.study.real_model2 --export-best    # export the best run, evaluate the export
 
 Round 1 (`train.study.real_model`) lifted SmolLM2-135M-Instruct on GuessTheNumber mostly by
 teaching it the move format. Here every RL run starts from a **format-only warm start**, so what
@@ -24,9 +25,11 @@ when killed:
 The report (``--out``, default ``benchmarks/real_model/round2``): ``results.md`` and
 ``results.json`` (per game: round 1's untrained start, the warm start, each preset's held-out end
 and AUC with intervals over seeds, the paired MPO - GRPO difference with its interval, the
-strategy metrics and format errors at the end, seconds a step by phase) and
-``curves_<game>.png`` with the reference lines drawn. Finished runs' figures are kept in
-``results.json``, so a later report on a machine without the run directories keeps them.
+strategy metric by step and format errors at the end, seconds a step by phase) and
+``curves_<game>.png`` (held-out success with the reference lines; the strategy metric). Finished
+runs' figures are kept in ``results.json``, so a later report on a machine without the run
+directories keeps them. ``--export-best``: the best GuessTheNumber run exported and its export
+evaluated (round 1's `train.study.real_model.export_run`), recorded in ``export.json``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from train.study.real_model import (
     _evaluate_held_out,
     _pct,
     _pooled,
+    export_run,
+    export_section,
     run_figures,
 )
 from train.study.round1 import (
@@ -60,7 +65,9 @@ from train.study.round1 import (
 )
 from train.study.stats import bootstrap_ci
 
-__all__ = ["GAMES", "SFT_FLAGS", "RL_FLAGS", "Cell", "cells", "paired_difference", "main"]
+__all__ = [
+    "GAMES", "SFT_FLAGS", "RL_FLAGS", "Cell", "cells", "paired_difference", "best_run", "main",
+]  # fmt: skip
 
 # game -> its strategy-free demonstration player, and its presets with their seeds (in order)
 GAMES: dict[str, dict[str, Any]] = {
@@ -227,7 +234,17 @@ def summarise(root: Path, recorded: dict[str, Any], round1: dict[str, Any]) -> d
     return results
 
 
-def markdown(results: dict[str, Any], lines: dict[str, Any]) -> str:
+def best_run(results: dict[str, Any], game: str = "guess-the-number") -> tuple[Cell, dict] | None:
+    """The finished run of ``game`` with the highest held-out end (then AUC)."""
+    runs = [
+        (Cell(game, preset, int(seed)), f)
+        for preset, p in results.get(game, {}).get("presets", {}).items()
+        for seed, f in p["seeds"].items()
+    ]
+    return max(runs, key=lambda r: (r[1]["heldout_final"], r[1]["heldout_auc"]), default=None)
+
+
+def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | None = None) -> str:
     out = [
         "# Round 2: does the real model use what the game tells it?",
         "",
@@ -305,6 +322,8 @@ def markdown(results: dict[str, Any], lines: dict[str, Any]) -> str:
                 cost = " | ".join(f"{f.get(f'{ph}_s', float('nan')):.0f}" for ph in PHASES)
                 out.append(f"| {preset} s{seed} | {cost} |")
         out.append("")
+    if exported is not None:
+        out += export_section(exported)
     return "\n".join(out)
 
 
@@ -360,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/real_model/round2", help="the report")
     parser.add_argument("--games", help=f"comma-separated (default: {','.join(GAMES)})")
     parser.add_argument("--report-only", action="store_true", help="aggregate existing runs only")
+    parser.add_argument(
+        "--export-best", action="store_true", help="export the best run and check the export"
+    )
     parser.add_argument("--loggers", help=LOGGERS_HELP)
     args = parser.parse_args(argv)
     games = tuple(args.games.split(",")) if args.games else tuple(GAMES)
@@ -378,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
 
         lines_file.write_text(json.dumps(reference_lines(400), indent=1) + "\n")
     lines = _read(lines_file)
-    if not args.report_only:
+    if not args.report_only and not args.export_best:
         if not (Path(args.model_path) / "config.json").exists():
             raise SystemExit(f"--model-path: no converted model at {args.model_path}; run "
                              "`make smollm2` first")  # fmt: skip
@@ -395,8 +417,15 @@ def main(argv: list[str] | None = None) -> int:
                 state = "skipped (done)" if record["skipped"] else f"{record['wall_s']:.0f} s"
                 print(f"[{n}/{len(todo)}] {cell}: {state}", flush=True)
     results = summarise(root, recorded, round1)
+    if args.export_best:
+        found = best_run(results)
+        if found is None:
+            raise SystemExit("--export-best: no finished run of guess-the-number yet")
+        check = export_run(root, *found)
+        (out / "export.json").write_text(json.dumps(check, indent=1) + "\n")
+    exported = _read(out / "export.json") or None
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(results, lines))
+    (out / "results.md").write_text(markdown(results, lines, exported))
     plot(results, lines, out)
     print(f"wrote {out}/results.md, results.json and curves_*.png")
     return 0
