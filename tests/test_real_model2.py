@@ -93,6 +93,8 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     results = json.loads((out / "results.json").read_text())
     entry = results["guess-the-number"]
     assert entry["warm_start"]["success"] == 0.54 and entry["warm_start"]["episodes"] == 200
+    lift = entry["presets"]["mpo"]["lift_same_tasks"]  # over the warm start's 0.54, seed by seed
+    assert lift["n"] == 4 and np.isclose(lift["mean"], np.mean(FINAL["mpo"]) - 0.54)
     diff = entry["mpo_minus_grpo"]["heldout_final"]
     assert diff["n"] == 4
     assert np.isclose(diff["mean"], np.mean(np.subtract(FINAL["mpo"], FINAL["grpo"])))

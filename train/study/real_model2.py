@@ -146,13 +146,16 @@ def measure_warm_start(game: str, root: Path) -> None:
 
 
 def warm_point(root: Path, game: str) -> dict[str, Any] | None:
-    """The warm start's pooled held-out figures (as round 1's start), with the strategy metric."""
+    """The warm start's pooled held-out figures (as round 1's start), with the strategy metric
+    and ``each``: its success on each seed's tasks (a run at seed ``s`` evaluates the same 25
+    held-out tasks, so its end is paired with ``each[s]``)."""
     files = [Path(root) / game / "warmstart-eval" / f"seed{s}" / "metrics.json" for s in WARM_SEEDS]
     pooled = _pooled(files)
     if pooled is not None:
+        measured = [json.loads(f.read_text()) for f in files]
         key = f"eval_heldout_env_{GAMES[game]['metric']}"
-        values = [json.loads(f.read_text()).get(key, np.nan) for f in files]
-        pooled[GAMES[game]["metric"]] = float(np.nanmean(values))
+        pooled[GAMES[game]["metric"]] = float(np.nanmean([m.get(key, np.nan) for m in measured]))
+        pooled["each"] = {str(s): m[HELDOUT] for s, m in zip(WARM_SEEDS, measured, strict=True)}
     return pooled
 
 
@@ -221,9 +224,14 @@ def summarise(root: Path, recorded: dict[str, Any], round1: dict[str, Any]) -> d
                 preset = entry["presets"].setdefault(cell.preset, {"seeds": {}})
                 preset["seeds"][str(cell.seed)] = figures
         for p in entry["presets"].values():
-            for key in ("heldout_final", "heldout_auc", "wall_s"):
-                mean, low, high = bootstrap_ci([f[key] for f in p["seeds"].values()])
-                p[key] = {"mean": mean, "low": low, "high": high, "n": len(p["seeds"])}
+            for seed, f in p["seeds"].items():  # the end over the warm start on the same tasks
+                if seed in warm.get("each", {}):
+                    f["lift_same_tasks"] = f["heldout_final"] - warm["each"][seed]
+            for key in ("heldout_final", "heldout_auc", "wall_s", "lift_same_tasks"):
+                values = [f[key] for f in p["seeds"].values() if key in f]
+                if values:
+                    mean, low, high = bootstrap_ci(values)
+                    p[key] = {"mean": mean, "low": low, "high": high, "n": len(values)}
         presets = entry["presets"]
         if "mpo" in presets and "grpo" in presets:
             entry["mpo_minus_grpo"] = {
@@ -250,7 +258,9 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
         "",
         "Written by `python -m train.study.real_model2`. Held-out success in %, 95% intervals in "
         "brackets: Wilson over episodes for the start and the warm start, bootstrap over seeds "
-        "for a preset's mean, and over the seed-paired differences for MPO - GRPO.",
+        "for a preset's mean, and over the seed-paired differences for MPO - GRPO. A run at "
+        "seed s is evaluated on the same 25 held-out tasks as the warm start's seed-s "
+        "evaluation: *end - warm start, same tasks* is paired on tasks (the samples differ).",
         "",
         f"Warm start: `python -m train.sft --model-path {MODEL} --env GAME --demo-player PLAYER "
         f"{' '.join(SFT_FLAGS)}`",
@@ -275,12 +285,12 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
             f"{100 * warm['format_errors']:.0f}% of turns; {metric} "
             f"{warm.get(metric, float('nan')):.2f} |",
             "",
-            f"| preset | seeds | held-out end | held-out AUC | {metric} at the end | format errors "
-            "| each seed's end | min of steps a run |",
-            "|---|---|---|---|---|---|---|---|",
+            f"| preset | seeds | held-out end | end - warm start, same tasks | held-out AUC "
+            f"| {metric} at the end | format errors | each seed's end | min of steps a run |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         if not entry["presets"]:
-            out.append("| (no RL run has finished yet) | | | | | | | |")
+            out.append("| (no RL run has finished yet) | | | | | | | | |")
         for preset, p in entry["presets"].items():
             end, auc = p["heldout_final"], p["heldout_auc"]
             each = ", ".join(
@@ -290,9 +300,12 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
             metric_end = np.nanmean([f.get(metric) or np.nan for f in p["seeds"].values()])
             errors = [f.get("format_errors") for f in p["seeds"].values()]
             errors = np.nanmean([np.nan if e is None else e for e in errors])
+            lift = p.get("lift_same_tasks")
+            lift = (f"{100 * lift['mean']:+.0f} [{100 * lift['low']:+.0f}, "
+                    f"{100 * lift['high']:+.0f}]") if lift else ""  # fmt: skip
             out.append(
                 f"| {preset} | {end['n']} | {_pct(end['mean'], end['low'], end['high'])} "
-                f"| {_pct(auc['mean'], auc['low'], auc['high'])} | {metric_end:.2f} "
+                f"| {lift} | {_pct(auc['mean'], auc['low'], auc['high'])} | {metric_end:.2f} "
                 f"| {100 * errors:.0f}% | {each} | {p['wall_s']['mean'] / 60:.0f} |"
             )
         diff = entry.get("mpo_minus_grpo")
