@@ -50,7 +50,10 @@ def _fake_runs(monkeypatch, calls):
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({"eval_episodes": 25, "eval_k": 2}))
         if module == "train.run":
-            final = FINAL[record["preset"]][record["seed"]]
+            if "lr_probe" in record:  # the probe: the end grows with the rate here
+                final = {"3e-5": 0.5, "1e-4": 0.6, "3e-4": 0.7}[record["lr_probe"]]
+            else:
+                final = FINAL[record["preset"]][record["seed"]]
             rows = [{"step": s, "success_rate": 0.5, "env_format_error_rate": 0.0,
                      "env_hint_consistency": 0.8, "eval_heldout_success_rate": final * s / 20,
                      "eval_heldout_env_hint_consistency": 0.9,
@@ -125,3 +128,26 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     assert real_model2.main(argv) == 0
     assert [m for m, _ in calls if m == "train.evaluate"] == []
     assert json.loads((out / "results.json").read_text()) == results
+
+
+def test_the_learning_rate_probe_runs_each_rate_once_and_reports_it(tmp_path, monkeypatch, capsys):
+    assert real_model2.with_flags(["--lr", "1e-4", "--steps", "20"], lr="3e-5", steps="10") == [
+        "--lr", "3e-5", "--steps", "10"]  # fmt: skip
+    calls = []
+    _fake_runs(monkeypatch, calls)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    out = tmp_path / "report"
+    argv = ["--model-path", str(model), "--runs", str(tmp_path / "runs"), "--out", str(out),
+            "--games", "guess-the-number", "--lr-probe"]  # fmt: skip
+    (tmp_path / "reference_lines.json").write_text("{}")
+    assert real_model2.main(argv) == 0
+    runs = [d for m, d in calls if m == "train.run"]
+    assert [d.name for d in runs] == [f"lr{lr}" for lr in real_model2.LR_PROBE]  # no RL cell
+    probe = json.loads((out / "results.json").read_text())["guess-the-number"]["lr_probe"]
+    assert np.isclose(probe["3e-4"]["lift_same_tasks"], 0.7 - 0.54)  # over seed 0's warm start
+    assert "| 3e-4 | 5: 18, 10: 35, 15: 52, 20: 70 | +16 | 1% |" in (out / "results.md").read_text()
+    capsys.readouterr()
+    assert real_model2.main(argv) == 0  # done: every rate is skipped
+    assert capsys.readouterr().out.count("skipped (done)") == len(real_model2.LR_PROBE)

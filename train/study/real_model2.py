@@ -4,6 +4,7 @@
     python -m train.study.real_model2                  # every step below (resumable)
     python -m train.study.real_model2 --report-only    # aggregate what is there
     python -m train.study.real_model2 --export-best    # export the best run, evaluate the export
+    python -m train.study.real_model2 --lr-probe       # mpo seed 0 for 10 steps at each rate
 
 Round 1 (`train.study.real_model`) lifted SmolLM2-135M-Instruct on GuessTheNumber mostly by
 teaching it the move format. Here every RL run starts from a **format-only warm start**, so what
@@ -98,6 +99,9 @@ RL_FLAGS = [
 ]  # fmt: skip
 # the scripted player whose strategy metric is exactly 1.0, drawn on the metric's panel
 METRIC_IDEAL = {"hint_consistency": "every guess inside the hints", "path_ratio": "shortest path"}
+# the learning-rate probe (``--lr-probe``): mpo at seed 0, 10 steps of the RL budget, per rate
+LR_PROBE = ("3e-5", "1e-4", "3e-4")
+PROBE_STEPS = 10
 WARM_SEEDS = (0, 1, 2, 3)  # the warm start's 200 held-out episodes: 4 x 25 tasks x 2 samples
 HELDOUT = "eval_heldout_success_rate"
 
@@ -165,6 +169,45 @@ def run_cell(cell: Cell, root: Path, model: str, loggers: str | None = None) -> 
             *RL_FLAGS]  # fmt: skip
     return launch("train.run", args, cell.run_dir(root), dataclasses.asdict(cell),
                   cache=compile_cache(root), loggers=loggers)  # fmt: skip
+
+
+def with_flags(flags: list[str], **values: str) -> list[str]:
+    """``flags`` with the values of ``--name`` replaced (``lr="3e-5"`` -> ``--lr 3e-5``)."""
+    out = list(flags)
+    for name, value in values.items():
+        out[out.index(f"--{name.replace('_', '-')}") + 1] = value
+    return out
+
+
+def probe_dir(root: Path, game: str, lr: str) -> Path:
+    return Path(root) / game / "lr-probe" / f"lr{lr}"
+
+
+def run_probe(game: str, lr: str, root: Path, model: str, loggers: str | None = None) -> dict:
+    """One rate of the probe: mpo at seed 0 from the warm start, `PROBE_STEPS` steps of
+    `RL_FLAGS` at ``--lr lr`` (skipped when done, resumed when killed)."""
+    flags = with_flags(RL_FLAGS, lr=lr, steps=str(PROBE_STEPS))
+    args = ["--init-from", str(warm_dir(root, game)), "--model-path", model, "--env", game,
+            "--preset", "mpo", "--seed", "0", *flags]  # fmt: skip
+    return launch("train.run", args, probe_dir(root, game, lr), {"game": game, "lr_probe": lr},
+                  cache=compile_cache(root), loggers=loggers)  # fmt: skip
+
+
+def probe_figures(root: Path, game: str, warm: dict[str, Any]) -> dict[str, dict]:
+    """Each finished probe rate's held-out curve, its end over the warm start on the same tasks
+    (seed 0's) and its format errors at the end."""
+    out = {}
+    for lr in LR_PROBE:
+        run_dir = probe_dir(root, game, lr)
+        rows = [r for r in read_metrics(run_dir) if HELDOUT in r]
+        if finished_record(run_dir) is None or not rows:
+            continue
+        out[lr] = {
+            "heldout_curve": [[r["step"] for r in rows], [r[HELDOUT] for r in rows]],
+            "lift_same_tasks": rows[-1][HELDOUT] - warm["each"]["0"] if "each" in warm else None,
+            "format_errors": rows[-1].get("eval_heldout_env_format_error_rate"),
+        }
+    return out
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -238,6 +281,9 @@ def summarise(root: Path, recorded: dict[str, Any], round1: dict[str, Any]) -> d
                 key: paired_difference(presets["mpo"]["seeds"], presets["grpo"]["seeds"], key)
                 for key in ("heldout_final", "heldout_auc")
             }
+        probe = probe_figures(root, game, warm) or recorded.get(game, {}).get("lr_probe")
+        if probe:
+            entry["lr_probe"] = probe
         results[game] = entry
     return results
 
@@ -317,6 +363,19 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
                 f"{100 * d['mean']:+.0f} points [{100 * d['low']:+.0f}, {100 * d['high']:+.0f}], "
                 f"AUC {100 * a['mean']:+.0f} [{100 * a['low']:+.0f}, {100 * a['high']:+.0f}].",
             ]
+        if entry.get("lr_probe"):
+            out += ["", f"Learning-rate probe: mpo, seed 0, {PROBE_STEPS} steps of the budget "
+                    "above (`--lr-probe`):", "",
+                    "| --lr | held-out by step | end - warm start, same tasks | format errors |",
+                    "|---|---|---|---|"]  # fmt: skip
+            for lr, f in entry["lr_probe"].items():
+                steps, rates = f["heldout_curve"]
+                curve = ", ".join(f"{s}: {100 * v:.0f}" for s, v in zip(steps, rates, strict=True))
+                lift = f["lift_same_tasks"]
+                lift = "" if lift is None else f"{100 * lift:+.0f}"
+                err = f["format_errors"]
+                err = "" if err is None else f"{100 * err:.0f}%"
+                out.append(f"| {lr} | {curve} | {lift} | {err} |")
         by_step = {p: mean_curve([f.get("heldout_metric_curve") for f in e["seeds"].values()])
                    for p, e in entry["presets"].items()}  # fmt: skip
         steps = sorted({s for c in by_step.values() if c for s in c[0]})
@@ -395,6 +454,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--export-best", action="store_true", help="export the best run and check the export"
     )
+    parser.add_argument(
+        "--lr-probe", action="store_true",
+        help=f"run only the learning-rate probe (mpo, seed 0, {PROBE_STEPS} steps at each of "
+        f"{', '.join(LR_PROBE)}) after the warm start",
+    )  # fmt: skip
     parser.add_argument("--loggers", help=LOGGERS_HELP)
     args = parser.parse_args(argv)
     games = tuple(args.games.split(",")) if args.games else tuple(GAMES)
@@ -424,6 +488,12 @@ def main(argv: list[str] | None = None) -> int:
             make_warm_start(game, root, args.model_path, args.loggers)
             measure_warm_start(game, root)
             print(f"warm start of {game}: {time.perf_counter() - started:.0f} s", flush=True)
+            if args.lr_probe:
+                for lr in LR_PROBE:
+                    record = run_probe(game, lr, root, args.model_path, args.loggers)
+                    state = "skipped (done)" if record["skipped"] else f"{record['wall_s']:.0f} s"
+                    print(f"lr probe {game} --lr {lr}: {state}", flush=True)
+                continue
             todo = [c for c in cells((game,))]
             for n, cell in enumerate(todo, 1):
                 record = run_cell(cell, root, args.model_path, args.loggers)
