@@ -430,7 +430,8 @@ def plot(results: dict[str, Any], lines: dict[str, Any], out_dir: Path) -> None:
             at.setdefault(f["success"], []).append(player)
         for rate, players in at.items():
             success.axhline(rate, ls=":", lw=1, color="grey")
-            success.text(0, rate, f" {', '.join(players)}", fontsize=7, va="bottom", color="grey")
+            success.text(0, rate, f" {', '.join(players)}", fontsize=7, color="grey",
+                         va="top" if rate > 0.9 else "bottom")  # fmt: skip
         success.axhline(warm["success"], color="black", ls="--", label="warm start")
         if warm.get(metric) is not None:
             strategy.axhline(warm[metric], color="black", ls="--", label="warm start")
