@@ -76,19 +76,24 @@ def _fake_runs(monkeypatch, calls):
     monkeypatch.setattr(real_model2, "_evaluate_held_out", evaluate)
 
 
-def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
-    calls = []
+def _study(tmp_path, monkeypatch, calls, lines) -> tuple[list[str], Path]:
+    """(argv, report folder) of a study on faked runs, a model folder and reference ``lines``."""
     _fake_runs(monkeypatch, calls)
-    model = tmp_path / "model"
+    model, out = tmp_path / "model", tmp_path / "report"
     model.mkdir()
-    (model / "config.json").write_text("{}")
-    out = tmp_path / "report"
     out.mkdir()
-    lines = {"guess-the-number": {"random_distinct": {"success": 0.55, "low": 0.5, "high": 0.6,
-                                                      "episodes": 400}}}  # fmt: skip
+    (model / "config.json").write_text("{}")
     (tmp_path / "reference_lines.json").write_text(json.dumps(lines))  # beside the report
     argv = ["--model-path", str(model), "--runs", str(tmp_path / "runs"), "--out", str(out),
             "--games", "guess-the-number"]  # fmt: skip
+    return argv, out
+
+
+def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
+    calls = []
+    lines = {"guess-the-number": {"random_distinct": {"success": 0.55, "low": 0.5, "high": 0.6,
+                                                      "episodes": 400}}}  # fmt: skip
+    argv, out = _study(tmp_path, monkeypatch, calls, lines)
     assert real_model2.main(argv) == 0
     modules = [m for m, _ in calls]
     assert modules[0] == "train.sft" and modules[1:5] == ["train.evaluate"] * 4
@@ -134,14 +139,8 @@ def test_the_learning_rate_probe_runs_each_rate_once_and_reports_it(tmp_path, mo
     assert real_model2.with_flags(["--lr", "1e-4", "--steps", "20"], lr="3e-5", steps="10") == [
         "--lr", "3e-5", "--steps", "10"]  # fmt: skip
     calls = []
-    _fake_runs(monkeypatch, calls)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    out = tmp_path / "report"
-    argv = ["--model-path", str(model), "--runs", str(tmp_path / "runs"), "--out", str(out),
-            "--games", "guess-the-number", "--lr-probe"]  # fmt: skip
-    (tmp_path / "reference_lines.json").write_text("{}")
+    argv, out = _study(tmp_path, monkeypatch, calls, {})
+    argv.append("--lr-probe")
     assert real_model2.main(argv) == 0
     runs = [d for m, d in calls if m == "train.run"]
     assert [d.name for d in runs] == [f"lr{lr}" for lr in real_model2.LR_PROBE]  # no RL cell
