@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from train.study import real_model2
+from train.study.real_model import best_run
 from train.study.real_model2 import GAMES, Cell, cells, paired_difference
 
 FINAL = {"mpo": [0.9, 0.8, 0.85, 0.95], "grpo": [0.6, 0.7, 0.65, 0.6], "turn_ppo": [0.7, 0.7],
@@ -113,11 +114,11 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     # the strategy metric by step, from the held-out evaluations (0.9), not the rollouts (0.8)
     assert "| mpo | 0.90 | 0.90 | 0.90 | 0.90 |" in text
 
-    cell, best = real_model2.best_run(results)
+    cell, best = best_run(results, real_model2.EXPORTED_GAME, Cell)
     ends = {(p, int(k)): f["heldout_final"] for p, e in entry["presets"].items()
             for k, f in e["seeds"].items()}  # fmt: skip
     assert best["heldout_final"] == max(ends.values()) == ends[(cell.preset, cell.seed)]
-    assert real_model2.best_run({}) is None
+    assert best_run({}, real_model2.EXPORTED_GAME, Cell) is None
     exported = {"cell": {"game": cell.game, "preset": cell.preset, "seed": cell.seed},
                 "run_last_eval": [0.6, 0.46, 0.72], "export_eval": [0.58, 0.48, 0.67],
                 "export_episodes": 96, "logits_max_abs_diff": 2e-5, "agrees": True,

@@ -25,14 +25,14 @@ def _pyplot():
 
 
 def panels(rows: int = 1, cols: int = 1, **options: Any):
-    """(figure, axes as a rows x cols list of lists), 6 x 4.5 inches a panel unless told."""
+    """(figure, axes as a rows x cols list of lists), 6.5 x 4.5 inches a panel unless told."""
     options.setdefault("figsize", (6.5 * cols, 4.5 * rows))
     return _pyplot().subplots(rows, cols, squeeze=False, **options)
 
 
-def band(ax, steps, mean, low=None, high=None, *, label: str, **line: Any) -> None:
+def band(ax, steps, mean, low=None, high=None, *, label: str) -> None:
     """A curve with markers, and its interval shaded in the curve's colour when given."""
-    (drawn,) = ax.plot(steps, mean, marker="o", ms=3, label=label, **line)
+    (drawn,) = ax.plot(steps, mean, marker="o", ms=3, label=label)
     if low is not None and high is not None:
         ax.fill_between(steps, low, high, color=drawn.get_color(), alpha=0.15)
 

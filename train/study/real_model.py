@@ -476,22 +476,24 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
 EXPORT_TASKS, EXPORT_K, EXPORT_SEED = 48, 2, 100  # 96 held-out episodes for the export's check
 
 
-def best_run(results: dict[str, Any]) -> tuple[Cell, dict] | None:
-    """The finished run of the main game with the highest held-out end (then AUC)."""
-    entry = results.get(MAIN_GAME, {})
+def best_run(results: dict[str, Any], game: str = MAIN_GAME, cell=Cell) -> tuple[Any, dict] | None:
+    """The finished run of ``game`` with the highest held-out end (then AUC): (``cell(game,
+    preset, seed)``, its figures). ``cell``: the study's cell type (round 2 passes its own)."""
+    entry = results.get(game, {})
     runs = [
-        (Cell(MAIN_GAME, preset, int(seed)), f)
+        (cell(game, preset, int(seed)), f)
         for preset, p in entry.get("presets", {}).items()
         for seed, f in p["seeds"].items()
     ]
     return max(runs, key=lambda r: (r[1]["heldout_final"], r[1]["heldout_auc"]), default=None)
 
 
-def export_best(root: Path, results: dict[str, Any], model: str) -> dict[str, Any]:
-    """`export_run` on the `best_run` of the main game."""
-    found = best_run(results)
+def export_best(root: Path, results: dict[str, Any], model: str, *, game: str = MAIN_GAME,
+                cell=Cell) -> dict[str, Any]:  # fmt: skip
+    """`export_run` on the `best_run` of ``game``."""
+    found = best_run(results, game, cell)
     if found is None:
-        raise SystemExit("--export-best: no finished run of the main game yet")
+        raise SystemExit(f"--export-best: no finished run of {game} yet")
     return export_run(root, *found)
 
 

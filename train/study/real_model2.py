@@ -30,7 +30,7 @@ strategy metric by step and format errors at the end, seconds a step by phase) a
 ``curves_<game>.png`` (held-out success with the reference lines; the strategy metric). Finished
 runs' figures are kept in ``results.json``, so a later report on a machine without the run
 directories keeps them. ``--export-best``: the best GuessTheNumber run exported and its export
-evaluated (round 1's `train.study.real_model.export_run`), recorded in ``export.json``.
+evaluated (round 1's `train.study.real_model.export_best`), recorded in ``export.json``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from train.study.real_model import (
     _evaluate_held_out,
     _pct,
     _pooled,
-    export_run,
+    export_best,
     export_section,
     run_figures,
 )
@@ -66,9 +66,7 @@ from train.study.round1 import (
 )
 from train.study.stats import bootstrap_ci
 
-__all__ = [
-    "GAMES", "SFT_FLAGS", "RL_FLAGS", "Cell", "cells", "paired_difference", "best_run", "main",
-]  # fmt: skip
+__all__ = ["GAMES", "SFT_FLAGS", "RL_FLAGS", "Cell", "cells", "paired_difference", "main"]
 
 # game -> its strategy-free demonstration player, and its presets with their seeds (in order)
 GAMES: dict[str, dict[str, Any]] = {
@@ -102,6 +100,7 @@ METRIC_IDEAL = {"hint_consistency": "every guess inside the hints", "path_ratio"
 # the learning-rate probe (``--lr-probe``): mpo at seed 0, 10 steps of the RL budget, per rate
 LR_PROBE = ("3e-5", "1e-4", "3e-4")
 PROBE_STEPS = 10
+EXPORTED_GAME = "guess-the-number"  # --export-best: the best run of this game
 WARM_SEEDS = (0, 1, 2, 3)  # the warm start's 200 held-out episodes: 4 x 25 tasks x 2 samples
 HELDOUT = "eval_heldout_success_rate"
 
@@ -286,16 +285,6 @@ def summarise(root: Path, recorded: dict[str, Any], round1: dict[str, Any]) -> d
             entry["lr_probe"] = probe
         results[game] = entry
     return results
-
-
-def best_run(results: dict[str, Any], game: str = "guess-the-number") -> tuple[Cell, dict] | None:
-    """The finished run of ``game`` with the highest held-out end (then AUC)."""
-    runs = [
-        (Cell(game, preset, int(seed)), f)
-        for preset, p in results.get(game, {}).get("presets", {}).items()
-        for seed, f in p["seeds"].items()
-    ]
-    return max(runs, key=lambda r: (r[1]["heldout_final"], r[1]["heldout_auc"]), default=None)
 
 
 def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | None = None) -> str:
@@ -492,20 +481,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.lr_probe:
                 for lr in LR_PROBE:
                     record = run_probe(game, lr, root, args.model_path, args.loggers)
-                    state = "skipped (done)" if record["skipped"] else f"{record['wall_s']:.0f} s"
-                    print(f"lr probe {game} --lr {lr}: {state}", flush=True)
+                    print(f"lr probe {game} --lr {lr}: {_state(record)}", flush=True)
                 continue
             todo = [c for c in cells((game,))]
             for n, cell in enumerate(todo, 1):
                 record = run_cell(cell, root, args.model_path, args.loggers)
-                state = "skipped (done)" if record["skipped"] else f"{record['wall_s']:.0f} s"
-                print(f"[{n}/{len(todo)}] {cell}: {state}", flush=True)
+                print(f"[{n}/{len(todo)}] {cell}: {_state(record)}", flush=True)
     results = summarise(root, recorded, round1)
     if args.export_best:
-        found = best_run(results)
-        if found is None:
-            raise SystemExit("--export-best: no finished run of guess-the-number yet")
-        check = export_run(root, *found)
+        check = export_best(root, results, args.model_path, game=EXPORTED_GAME, cell=Cell)
         (out / "export.json").write_text(json.dumps(check, indent=1) + "\n")
     exported = _read(out / "export.json") or None
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -513,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, lines, out)
     print(f"wrote {out}/results.md, results.json and curves_*.png")
     return 0
+
+
+def _state(record: dict[str, Any]) -> str:
+    """A launched run's status line: skipped, or its wall time."""
+    return "skipped (done)" if record["skipped"] else f"{record['wall_s']:.0f} s"
 
 
 def _read(path: Path) -> dict[str, Any]:
