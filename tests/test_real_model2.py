@@ -4,6 +4,7 @@ rerunning what finished, and the report's paired MPO - GRPO difference and refer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from train.study.real_model2 import GAMES, Cell, cells, paired_difference
 
 FINAL = {"mpo": [0.9, 0.8, 0.85, 0.95], "grpo": [0.6, 0.7, 0.65, 0.6], "turn_ppo": [0.7, 0.7],
          "mpo_trace": [0.8, 0.9]}  # fmt: skip
+RATE = {"3e-5": 1.0, "1e-4": 0.5}  # the fake runs' ends scale with the rate
 
 
 def test_cells_run_seed_major_with_mpo_and_grpo_paired_first():
@@ -43,24 +45,29 @@ def test_a_mean_curve_is_over_the_steps_every_seed_reached():
 
 
 def _fake_runs(monkeypatch, calls):
-    def launch(module, args, run_dir, record, cache=None, loggers=None):
+    """A fake `launch`: a run's held-out success at step s is its end * s / 20 (evaluations every
+    5 steps up to ``--steps``); a killed or extended run resumes with ``resume_flags``."""
+
+    def launch(module, args, run_dir, record, cache=None, loggers=None, resume_flags=None):
         calls.append((module, Path(run_dir)))
         run_dir = Path(run_dir)
         if (run_dir / "study.json").exists():
             return {"skipped": True}
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps({"eval_episodes": 25, "eval_k": 2}))
         if module == "train.run":
-            if "lr_probe" in record:  # the probe: the end grows with the rate here
-                final = {"3e-5": 0.5, "1e-4": 0.6, "3e-4": 0.7}[record["lr_probe"]]
-            else:
-                final = FINAL[record["preset"]][record["seed"]]
+            flags = resume_flags if (run_dir / "config.json").exists() else args
+            steps = int(flags[flags.index("--steps") + 1])
+            final = FINAL[record["preset"]][record["seed"]] * RATE[record["lr"]]
             rows = [{"step": s, "success_rate": 0.5, "env_format_error_rate": 0.0,
                      "env_hint_consistency": 0.8, "eval_heldout_success_rate": final * s / 20,
                      "eval_heldout_env_hint_consistency": 0.9,
                      "eval_heldout_env_format_error_rate": 0.01}
-                    for s in (5, 10, 15, 20)]  # fmt: skip
+                    for s in range(5, steps + 1, 5)]  # fmt: skip
             (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        else:
+            steps = 40
+        config = {"eval_episodes": 25, "eval_k": 2, "steps": steps}
+        (run_dir / "config.json").write_text(json.dumps(config))
         (run_dir / "study.json").write_text(json.dumps({"wall_s": 60.0}))
         return {"skipped": False, "wall_s": 60.0}
 
@@ -95,6 +102,11 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     lines = {"guess-the-number": {"random_distinct": {"success": 0.55, "low": 0.5, "high": 0.6,
                                                       "episodes": 400}}}  # fmt: skip
     argv, out = _study(tmp_path, monkeypatch, calls, lines)
+    for preset in ("mpo", "grpo"):  # an earlier rate's finished pair: reported in its own table
+        cell = Cell("guess-the-number", preset, 0, "1e-4")
+        real_model2.launch("train.run", ["--steps", "20"], cell.run_dir(tmp_path / "runs"),
+                           dataclasses.asdict(cell))  # fmt: skip
+    calls.clear()
     assert real_model2.main(argv) == 0
     modules = [m for m, _ in calls]
     assert modules[0] == "train.sft" and modules[1:5] == ["train.evaluate"] * 4
@@ -113,6 +125,10 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     assert (out / "curves_guess-the-number.png").exists()
     # the strategy metric by step, from the held-out evaluations (0.9), not the rollouts (0.8)
     assert "| mpo | 0.90 | 0.90 | 0.90 | 0.90 |" in text
+    earlier = entry["earlier"]["1e-4"]
+    assert set(earlier["presets"]) == {"mpo", "grpo"}
+    assert np.isclose(earlier["mpo_minus_grpo"]["heldout_final"]["mean"], (0.9 - 0.6) * 0.5)
+    assert "At `--lr 1e-4`" in text and "| mpo @ 1e-4 | 0.90 | 0.90 | 0.90 | 0.90 |" in text
 
     cell, best = best_run(results, real_model2.EXPORTED_GAME, Cell)
     ends = {(p, int(k)): f["heldout_final"] for p, e in entry["presets"].items()
@@ -136,18 +152,31 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     assert json.loads((out / "results.json").read_text()) == results
 
 
-def test_the_learning_rate_probe_runs_each_rate_once_and_reports_it(tmp_path, monkeypatch, capsys):
+def test_the_probe_is_the_first_steps_of_each_rates_mpo_seed0_and_the_study_extends_it(
+    tmp_path, monkeypatch, capsys
+):
     assert real_model2.with_flags(["--lr", "1e-4", "--steps", "20"], lr="3e-5", steps="10") == [
         "--lr", "3e-5", "--steps", "10"]  # fmt: skip
     calls = []
     argv, out = _study(tmp_path, monkeypatch, calls, {})
-    argv.append("--lr-probe")
-    assert real_model2.main(argv) == 0
-    runs = [d for m, d in calls if m == "train.run"]
-    assert [d.name for d in runs] == [f"lr{lr}" for lr in real_model2.LR_PROBE]  # no RL cell
-    probe = json.loads((out / "results.json").read_text())["guess-the-number"]["lr_probe"]
-    assert np.isclose(probe["3e-4"]["lift_same_tasks"], 0.7 - 0.54)  # over seed 0's warm start
-    assert "| 3e-4 | 5: 18, 10: 35, 15: 52, 20: 70 | +16 | 1% |" in (out / "results.md").read_text()
+    assert real_model2.main([*argv, "--lr-probe"]) == 0
+    probed = [d for m, d in calls if m == "train.run"]
+    runs = tmp_path / "runs" / "guess-the-number"
+    assert probed == [runs / f"lr{lr}" / "mpo" / "seed0" for lr in real_model2.LR_PROBE]
+    results = json.loads((out / "results.json").read_text())["guess-the-number"]
+    probe = results["lr_probe"]
+    assert np.isclose(probe["1e-4"]["lift_same_tasks"], 0.9 * 0.5 / 2 - 0.54)  # seed 0's tasks
+    assert "| 1e-4 | 5: 11, 10: 22 | -32 | 1% |" in (out / "results.md").read_text()
+    assert results["presets"] == {} and "earlier" not in results  # a probe is not a study run
     capsys.readouterr()
-    assert real_model2.main(argv) == 0  # done: every rate is skipped
+    assert real_model2.main([*argv, "--lr-probe"]) == 0  # done: every rate is skipped
     assert capsys.readouterr().out.count("skipped (done)") == len(real_model2.LR_PROBE)
+
+    calls.clear()  # the study: the chosen rate's probe run is resumed to the full budget
+    assert real_model2.main(argv) == 0
+    assert [d for m, d in calls if m == "train.run"][0] == runs / f"lr{real_model2.STUDY_LR}" / (
+        "mpo/seed0")  # fmt: skip
+    results = json.loads((out / "results.json").read_text())["guess-the-number"]
+    mpo0 = results["presets"]["mpo"]["seeds"]["0"]
+    assert mpo0["heldout_curve"][0] == [0, 5, 10, 15, 20] and np.isclose(mpo0["heldout_final"], 0.9)
+    assert results["lr_probe"] == probe  # the probe still reads the first 10 steps

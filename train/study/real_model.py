@@ -439,11 +439,12 @@ def markdown(results: dict[str, Any], exported: dict[str, Any] | None = None) ->
 def export_section(exported: dict[str, Any]) -> list[str]:
     """The report's lines on an exported run (`export_run`'s record)."""
     run_end, export_end, c = exported["run_last_eval"], exported["export_eval"], exported["cell"]
+    where = f" (`{exported['run']}`)" if "run" in exported else ""
     return [
         "## The best run, exported",
         "",
-        f"`{c['preset']}` seed {c['seed']} exported with `train.export` (float32) and loaded "
-        f"with transformers: its logits equal the run's own to "
+        f"`{c['preset']}` seed {c['seed']}{where} exported with `train.export` (float32) and "
+        f"loaded with transformers: its logits equal the run's own to "
         f"{exported['logits_max_abs_diff']:.1e} (max abs) on a held-out prompt. "
         f"`train.evaluate` on the export, {exported['export_episodes']} held-out episodes: "
         f"{_pct(*export_end)}; the run's last evaluation: {_pct(*run_end)}. "
@@ -499,7 +500,8 @@ def export_best(root: Path, results: dict[str, Any], model: str, *, game: str = 
 
 def export_run(root: Path, cell, figures: dict[str, Any]) -> dict[str, Any]:
     """Exports ``cell``'s run (``train.export``, float32) to
-    ``<runs>/export-<game>-<preset>-seed<k>`` (named for the run: a later best run never reuses an
+    ``<runs>/export-<game>-<preset>-seed<k>`` (the run directory's parts under ``root``, joined
+    by ``-``: named for the run: a later best run never reuses an
     earlier one's export), loads it with transformers and compares its logits with the run's own
     on one held-out prompt, then evaluates the export with ``train.evaluate`` on `EXPORT_TASKS`
     x `EXPORT_K` held-out episodes; ``agrees``: the export's rate lies within the run's last
@@ -514,7 +516,7 @@ def export_run(root: Path, cell, figures: dict[str, Any]) -> dict[str, Any]:
     from train.core.build import model_config, restore_model, run_codec, run_config
 
     run_dir = cell.run_dir(root)
-    out = Path(root) / f"export-{cell.game}-{cell.preset}-seed{cell.seed}"
+    out = Path(root) / f"export-{'-'.join(run_dir.relative_to(root).parts)}"
     if not (run_dir / "config.json").exists():
         raise SystemExit(f"--export-best: the best run ({cell}) is recorded in the report, but "
                          f"its run directory {run_dir} is not on this machine")  # fmt: skip

@@ -18,10 +18,18 @@ when killed:
 3. its measurement like round 1's start: ``train.evaluate`` of the warm start on 200 held-out
    episodes (4 seeds of 25 tasks x 2 samples): success, format errors, hint consistency;
 4. the RL cells (`cells`), each ``python -m train.run --init-from WARMSTART`` with
-   `RL_FLAGS` (one budget and one learning rate for every preset; LoRA): GuessTheNumber ``mpo``
+   `RL_FLAGS` (one budget and one learning rate, `STUDY_LR`, for every preset; LoRA), in
+   ``<runs>/<game>/lr<rate>/<preset>/seed<k>``: GuessTheNumber ``mpo``
    and ``grpo`` at seeds 0-3, seed-major and paired (a seed draws the same training games for
    both), then ``turn_ppo`` and ``mpo_trace`` (TRACE's gold answer: the target as a move; its
    reference: the frozen warm start) at seeds 0-1, then FrozenLake ``mpo`` and ``grpo`` at 0-1.
+
+The learning rate was chosen by ``--lr-probe``: mpo at seed 0 for `PROBE_STEPS` steps at each
+rate of `LR_PROBE`. The probe at a rate is the first `PROBE_STEPS` steps of that rate's mpo seed-0
+cell (the rate is constant after a 2-step warmup, so a 10-step run is the first half of a 20-step
+one): the study's run at the chosen rate resumes the probe's run to the full budget, and a rate
+whose mpo seed-0 run exists is probed for free. The runs of an earlier study rate
+(`EARLIER_LRS`) are kept and reported in their own table.
 
 The report (``--out``, default ``benchmarks/real_model/round2``): ``results.md`` and
 ``results.json`` (per game: round 1's untrained start, the warm start, each preset's held-out end
@@ -87,18 +95,23 @@ SFT_FLAGS = [
     *TURN, *LORA, "--lr", "2e-4", "--demos", "256", "--val-demos", "32", "--batch-size", "8",
     "--steps", "40", "--eval-every", "0", "--checkpoint-every", "20",
 ]  # fmt: skip
+# the learning rate of every RL run, chosen by the probe (mpo seed 0, 10 steps; GuessTheNumber):
+# 3e-5 ended 14 points over the warm start on the same tasks, 1e-4 2 points under it
+STUDY_LR = "3e-5"
+EARLIER_LRS = ("1e-4",)  # the first budget's rate, before the probe: its runs stay in the report
 # one RL budget for every preset: 20 steps of 16 episodes (4 tasks x 4), held-out evaluations of
 # 50 episodes every 5 steps
+BUDGET_STEPS = 20
 RL_FLAGS = [
-    *TURN, *LORA, "--lr", "1e-4", "--warmup-steps", "2",
-    "--steps", "20", "--prompts-per-step", "4", "--group-size", "4",
+    *TURN, *LORA, "--lr", STUDY_LR, "--warmup-steps", "2",
+    "--steps", str(BUDGET_STEPS), "--prompts-per-step", "4", "--group-size", "4",
     "--micro-batch-tokens", "4096", "--minibatches", "1",
     "--eval-every", "5", "--eval-episodes", "25", "--eval-k", "2", "--checkpoint-every", "2",
 ]  # fmt: skip
 # the scripted player whose strategy metric is exactly 1.0, drawn on the metric's panel
 METRIC_IDEAL = {"hint_consistency": "every guess inside the hints", "path_ratio": "shortest path"}
 # the learning-rate probe (``--lr-probe``): mpo at seed 0, 10 steps of the RL budget, per rate
-LR_PROBE = ("3e-5", "1e-4", "3e-4")
+LR_PROBE = ("3e-5", "1e-4")
 PROBE_STEPS = 10
 EXPORTED_GAME = "guess-the-number"  # --export-best: the best run of this game
 WARM_SEEDS = (0, 1, 2, 3)  # the warm start's 200 held-out episodes: 4 x 25 tasks x 2 samples
@@ -107,26 +120,29 @@ HELDOUT = "eval_heldout_success_rate"
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
+    """One RL run: ``preset`` at ``seed`` on ``game`` at learning rate ``lr``."""
+
     game: str
     preset: str
     seed: int
+    lr: str = STUDY_LR
 
     def run_dir(self, root: Path) -> Path:
-        return Path(root) / self.game / self.preset / f"seed{self.seed}"
+        return Path(root) / self.game / f"lr{self.lr}" / self.preset / f"seed{self.seed}"
 
 
 def warm_dir(root: Path, game: str) -> Path:
     return Path(root) / game / "warmstart"
 
 
-def cells(games: tuple[str, ...] = tuple(GAMES)) -> list[Cell]:
-    """The RL runs in the order they run: per game, seed-major over its presets (mpo and grpo
-    first), so a stopped study holds both of a pair."""
+def cells(games: tuple[str, ...] = tuple(GAMES), lr: str = STUDY_LR) -> list[Cell]:
+    """The RL runs at ``lr`` in the order they run: per game, seed-major over its presets (mpo
+    and grpo first), so a stopped study holds both of a pair."""
     out = []
     for game in games:
         presets = GAMES[game]["presets"]
         for seed in range(max(presets.values())):
-            out += [Cell(game, p, seed) for p, n in presets.items() if seed < n]
+            out += [Cell(game, p, seed, lr) for p, n in presets.items() if seed < n]
     return out
 
 
@@ -162,12 +178,20 @@ def warm_point(root: Path, game: str) -> dict[str, Any] | None:
     return pooled
 
 
-def run_cell(cell: Cell, root: Path, model: str, loggers: str | None = None) -> dict:
+def run_cell(
+    cell: Cell, root: Path, model: str, loggers: str | None = None, *, steps: int = BUDGET_STEPS
+) -> dict:
+    """``train.run`` from the warm start with `RL_FLAGS` at the cell's rate for ``steps`` steps
+    (skipped when done, resumed when killed). A run that finished fewer steps (the probe's) is
+    resumed to ``steps``: its checkpoint is the same run's state at its last step."""
+    run_dir = cell.run_dir(root)
+    if finished_record(run_dir) is not None and _config_steps(run_dir) < steps:
+        (run_dir / "study.json").unlink()  # not finished at this budget: resumed below
     args = ["--init-from", str(warm_dir(root, cell.game)), "--model-path", model,
             "--env", cell.game, "--preset", cell.preset, "--seed", str(cell.seed),
-            *RL_FLAGS]  # fmt: skip
-    return launch("train.run", args, cell.run_dir(root), dataclasses.asdict(cell),
-                  cache=compile_cache(root), loggers=loggers)  # fmt: skip
+            *with_flags(RL_FLAGS, lr=cell.lr, steps=str(steps))]  # fmt: skip
+    return launch("train.run", args, run_dir, dataclasses.asdict(cell), cache=compile_cache(root),
+                  loggers=loggers, resume_flags=["--steps", str(steps)])  # fmt: skip
 
 
 def with_flags(flags: list[str], **values: str) -> list[str]:
@@ -178,28 +202,23 @@ def with_flags(flags: list[str], **values: str) -> list[str]:
     return out
 
 
-def probe_dir(root: Path, game: str, lr: str) -> Path:
-    return Path(root) / game / "lr-probe" / f"lr{lr}"
+def probe_cell(game: str, lr: str) -> Cell:
+    """The probe at ``lr``: the first `PROBE_STEPS` steps of mpo seed 0 at that rate."""
+    return Cell(game, "mpo", 0, lr)
 
 
-def run_probe(game: str, lr: str, root: Path, model: str, loggers: str | None = None) -> dict:
-    """One rate of the probe: mpo at seed 0 from the warm start, `PROBE_STEPS` steps of
-    `RL_FLAGS` at ``--lr lr`` (skipped when done, resumed when killed)."""
-    flags = with_flags(RL_FLAGS, lr=lr, steps=str(PROBE_STEPS))
-    args = ["--init-from", str(warm_dir(root, game)), "--model-path", model, "--env", game,
-            "--preset", "mpo", "--seed", "0", *flags]  # fmt: skip
-    return launch("train.run", args, probe_dir(root, game, lr), {"game": game, "lr_probe": lr},
-                  cache=compile_cache(root), loggers=loggers)  # fmt: skip
+def _config_steps(run_dir: Path) -> int:
+    return int(json.loads((run_dir / "config.json").read_text()).get("steps", 0))
 
 
 def probe_figures(root: Path, game: str, warm: dict[str, Any]) -> dict[str, dict]:
-    """Each finished probe rate's held-out curve, its end over the warm start on the same tasks
-    (seed 0's) and its format errors at the end."""
+    """Each probed rate's held-out curve up to `PROBE_STEPS`, its evaluation there over the warm
+    start on the same tasks (seed 0's) and its format errors there."""
     out = {}
     for lr in LR_PROBE:
-        run_dir = probe_dir(root, game, lr)
-        rows = [r for r in read_metrics(run_dir) if HELDOUT in r]
-        if finished_record(run_dir) is None or not rows:
+        run_dir = probe_cell(game, lr).run_dir(root)
+        rows = [r for r in read_metrics(run_dir) if HELDOUT in r and r["step"] <= PROBE_STEPS]
+        if not rows or rows[-1]["step"] != PROBE_STEPS:
             continue
         out[lr] = {
             "heldout_curve": [[r["step"] for r in rows], [r[HELDOUT] for r in rows]],
@@ -213,18 +232,20 @@ def probe_figures(root: Path, game: str, warm: dict[str, Any]) -> dict[str, dict
 
 
 def cell_figures(cell: Cell, root: Path, warm: dict[str, Any]) -> dict[str, Any] | None:
-    """A finished run's figures (round 1's `run_figures`, from the warm start), plus the
+    """A run's figures once it finished the budget (round 1's `run_figures`, from the warm
+    start), plus the
     strategy metric and format errors of its last held-out evaluation."""
     run_dir = cell.run_dir(root)
     rows, done = read_metrics(run_dir), finished_record(run_dir)
-    if done is None or not rows:
-        return None
+    if done is None or not rows or _config_steps(run_dir) < BUDGET_STEPS:
+        return None  # not finished, or finished as the probe only
     config = json.loads((run_dir / "config.json").read_text())
     figures = run_figures(rows, warm["success"], config["eval_episodes"] * config["eval_k"])
     last = [r for r in rows if HELDOUT in r][-1]
     metric = GAMES[cell.game]["metric"]
     figures[metric] = last.get(f"eval_heldout_env_{metric}")
     figures["format_errors"] = last.get("eval_heldout_env_format_error_rate")
+    figures["lr"] = cell.lr
     for name, key in (("metric_curve", f"env_{metric}"),
                       ("heldout_metric_curve", f"eval_heldout_env_{metric}")):  # fmt: skip
         figures[name] = [[r["step"] for r in rows if key in r], [r[key] for r in rows if key in r]]
@@ -246,45 +267,111 @@ def paired_difference(a: dict[str, dict], b: dict[str, dict], key: str) -> dict[
     return {"mean": mean, "low": low, "high": high, "n": len(seeds), "each": diffs}
 
 
+def rate_figures(
+    root: Path, game: str, lr: str, warm: dict[str, Any], recorded: dict[str, Any]
+) -> dict[str, Any]:
+    """The finished runs of ``game`` at ``lr`` (from ``recorded``, the report's earlier figures,
+    where a run directory is not here): per preset each seed's figures with their end over the
+    warm start on the same tasks, the means with intervals over seeds, and the seed-paired
+    MPO - GRPO difference when both ran."""
+    presets: dict[str, Any] = {}
+    for cell in cells((game,), lr):
+        figures = cell_figures(cell, root, warm)
+        if figures is None:
+            seeds = recorded.get("presets", {}).get(cell.preset, {}).get("seeds", {})
+            figures = seeds.get(str(cell.seed))
+            if figures is not None and figures.get("lr") != lr:
+                figures = None  # recorded at another rate (a report from before the rate moved)
+        if figures is not None:
+            presets.setdefault(cell.preset, {"seeds": {}})["seeds"][str(cell.seed)] = figures
+    for p in presets.values():
+        for seed, f in p["seeds"].items():  # the end over the warm start on the same tasks
+            if seed in warm.get("each", {}):
+                f["lift_same_tasks"] = f["heldout_final"] - warm["each"][seed]
+        for key in ("heldout_final", "heldout_auc", "wall_s", "lift_same_tasks"):
+            values = [f[key] for f in p["seeds"].values() if key in f]
+            if values:
+                mean, low, high = bootstrap_ci(values)
+                p[key] = {"mean": mean, "low": low, "high": high, "n": len(values)}
+    out: dict[str, Any] = {"presets": presets}
+    if "mpo" in presets and "grpo" in presets:
+        out["mpo_minus_grpo"] = {
+            key: paired_difference(presets["mpo"]["seeds"], presets["grpo"]["seeds"], key)
+            for key in ("heldout_final", "heldout_auc")
+        }
+    return out
+
+
 def summarise(root: Path, recorded: dict[str, Any], round1: dict[str, Any]) -> dict[str, Any]:
+    """Per game: round 1's start, the warm start, the runs at `STUDY_LR` (``presets``,
+    ``mpo_minus_grpo``), those at `EARLIER_LRS` (``earlier``) and the probe (``lr_probe``)."""
     results: dict[str, Any] = {}
     for game in GAMES:
-        warm = warm_point(root, game) or recorded.get(game, {}).get("warm_start")
+        before = recorded.get(game, {})
+        warm = warm_point(root, game) or before.get("warm_start")
         if warm is None:
             continue
-        entry: dict[str, Any] = {
-            "start": round1.get(game, {}).get("start"),
-            "warm_start": warm,
-            "presets": {},
+        entry: dict[str, Any] = {"start": round1.get(game, {}).get("start"), "warm_start": warm}
+        entry.update(rate_figures(root, game, STUDY_LR, warm, before))
+        earlier = {
+            lr: rate_figures(root, game, lr, warm, before.get("earlier", {}).get(lr, {}))
+            for lr in EARLIER_LRS
         }
-        for cell in (c for c in cells() if c.game == game):
-            figures = cell_figures(cell, root, warm)
-            if figures is None:
-                seeds = recorded.get(game, {}).get("presets", {}).get(cell.preset, {})
-                figures = seeds.get("seeds", {}).get(str(cell.seed))
-            if figures is not None:
-                preset = entry["presets"].setdefault(cell.preset, {"seeds": {}})
-                preset["seeds"][str(cell.seed)] = figures
-        for p in entry["presets"].values():
-            for seed, f in p["seeds"].items():  # the end over the warm start on the same tasks
-                if seed in warm.get("each", {}):
-                    f["lift_same_tasks"] = f["heldout_final"] - warm["each"][seed]
-            for key in ("heldout_final", "heldout_auc", "wall_s", "lift_same_tasks"):
-                values = [f[key] for f in p["seeds"].values() if key in f]
-                if values:
-                    mean, low, high = bootstrap_ci(values)
-                    p[key] = {"mean": mean, "low": low, "high": high, "n": len(values)}
-        presets = entry["presets"]
-        if "mpo" in presets and "grpo" in presets:
-            entry["mpo_minus_grpo"] = {
-                key: paired_difference(presets["mpo"]["seeds"], presets["grpo"]["seeds"], key)
-                for key in ("heldout_final", "heldout_auc")
-            }
-        probe = probe_figures(root, game, warm) or recorded.get(game, {}).get("lr_probe")
+        earlier = {lr: e for lr, e in earlier.items() if e["presets"]}
+        if earlier:
+            entry["earlier"] = earlier
+        probe = probe_figures(root, game, warm) or before.get("lr_probe")
         if probe:
             entry["lr_probe"] = probe
         results[game] = entry
     return results
+
+
+def labelled(entry: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(row label, preset figures) of a game's runs: the study rate's by preset name, an
+    earlier rate's as ``<preset> @ <lr>``."""
+    rows = list(entry["presets"].items())
+    for lr, e in entry.get("earlier", {}).items():
+        rows += [(f"{preset} @ {lr}", p) for preset, p in e["presets"].items()]
+    return rows
+
+
+def preset_table(rate: dict[str, Any], metric: str) -> list[str]:
+    """The report's table of one rate's presets, and its paired MPO - GRPO line."""
+    out = [
+        f"| preset | seeds | held-out end | end - warm start, same tasks | held-out AUC "
+        f"| {metric} at the end | format errors | each seed's end | min of steps a run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    if not rate["presets"]:
+        out.append("| (no RL run has finished yet) | | | | | | | | |")
+    for preset, p in rate["presets"].items():
+        end, auc = p["heldout_final"], p["heldout_auc"]
+        each = ", ".join(
+            f"s{s} {_pct(f['heldout_final'], *f['heldout_final_wilson'])}"
+            for s, f in sorted(p["seeds"].items())
+        )
+        metric_end = np.nanmean([f.get(metric) or np.nan for f in p["seeds"].values()])
+        errors = [f.get("format_errors") for f in p["seeds"].values()]
+        errors = np.nanmean([np.nan if e is None else e for e in errors])
+        lift = p.get("lift_same_tasks")
+        lift = (f"{100 * lift['mean']:+.0f} [{100 * lift['low']:+.0f}, "
+                f"{100 * lift['high']:+.0f}]") if lift else ""  # fmt: skip
+        out.append(
+            f"| {preset} | {end['n']} | {_pct(end['mean'], end['low'], end['high'])} "
+            f"| {lift} | {_pct(auc['mean'], auc['low'], auc['high'])} | {metric_end:.2f} "
+            f"| {100 * errors:.0f}% | {each} | {p['wall_s']['mean'] / 60:.0f} |"
+        )
+    diff = rate.get("mpo_minus_grpo")
+    if diff and diff["heldout_final"]:
+        d, a = diff["heldout_final"], diff["heldout_auc"]
+        out += [
+            "",
+            f"MPO - GRPO, paired by seed ({d['n']} seeds): held-out end "
+            f"{100 * d['mean']:+.0f} points [{100 * d['low']:+.0f}, {100 * d['high']:+.0f}], "
+            f"AUC {100 * a['mean']:+.0f} [{100 * a['low']:+.0f}, {100 * a['high']:+.0f}].",
+        ]
+    return out
 
 
 def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | None = None) -> str:
@@ -320,41 +407,16 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
             f"{100 * warm['format_errors']:.0f}% of turns; {metric} "
             f"{warm.get(metric, float('nan')):.2f} |",
             "",
-            f"| preset | seeds | held-out end | end - warm start, same tasks | held-out AUC "
-            f"| {metric} at the end | format errors | each seed's end | min of steps a run |",
-            "|---|---|---|---|---|---|---|---|---|",
+            f"At `--lr {STUDY_LR}`, the probe's choice:",
+            "",
+            *preset_table(entry, metric),
         ]
-        if not entry["presets"]:
-            out.append("| (no RL run has finished yet) | | | | | | | | |")
-        for preset, p in entry["presets"].items():
-            end, auc = p["heldout_final"], p["heldout_auc"]
-            each = ", ".join(
-                f"s{s} {_pct(f['heldout_final'], *f['heldout_final_wilson'])}"
-                for s, f in sorted(p["seeds"].items())
-            )
-            metric_end = np.nanmean([f.get(metric) or np.nan for f in p["seeds"].values()])
-            errors = [f.get("format_errors") for f in p["seeds"].values()]
-            errors = np.nanmean([np.nan if e is None else e for e in errors])
-            lift = p.get("lift_same_tasks")
-            lift = (f"{100 * lift['mean']:+.0f} [{100 * lift['low']:+.0f}, "
-                    f"{100 * lift['high']:+.0f}]") if lift else ""  # fmt: skip
-            out.append(
-                f"| {preset} | {end['n']} | {_pct(end['mean'], end['low'], end['high'])} "
-                f"| {lift} | {_pct(auc['mean'], auc['low'], auc['high'])} | {metric_end:.2f} "
-                f"| {100 * errors:.0f}% | {each} | {p['wall_s']['mean'] / 60:.0f} |"
-            )
-        diff = entry.get("mpo_minus_grpo")
-        if diff and diff["heldout_final"]:
-            d, a = diff["heldout_final"], diff["heldout_auc"]
-            out += [
-                "",
-                f"MPO - GRPO, paired by seed ({d['n']} seeds): held-out end "
-                f"{100 * d['mean']:+.0f} points [{100 * d['low']:+.0f}, {100 * d['high']:+.0f}], "
-                f"AUC {100 * a['mean']:+.0f} [{100 * a['low']:+.0f}, {100 * a['high']:+.0f}].",
-            ]
+        for lr, earlier in entry.get("earlier", {}).items():
+            out += ["", f"At `--lr {lr}`, the first budget's rate (run before the probe; "
+                    "every other flag the same):", "", *preset_table(earlier, metric)]  # fmt: skip
         if entry.get("lr_probe"):
-            out += ["", f"Learning-rate probe: mpo, seed 0, {PROBE_STEPS} steps of the budget "
-                    "above (`--lr-probe`):", "",
+            out += ["", f"Learning-rate probe: mpo, seed 0, the first {PROBE_STEPS} steps of the "
+                    "budget above at each rate (`--lr-probe`):", "",
                     "| --lr | held-out by step | end - warm start, same tasks | format errors |",
                     "|---|---|---|---|"]  # fmt: skip
             for lr, f in entry["lr_probe"].items():
@@ -366,7 +428,7 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
                 err = "" if err is None else f"{100 * err:.0f}%"
                 out.append(f"| {lr} | {curve} | {lift} | {err} |")
         by_step = {p: mean_curve([f.get("heldout_metric_curve") for f in e["seeds"].values()])
-                   for p, e in entry["presets"].items()}  # fmt: skip
+                   for p, e in labelled(entry)}  # fmt: skip
         steps = sorted({s for c in by_step.values() if c for s in c[0]})
         if steps:
             out += ["", f"Held-out {metric} by step (mean over seeds; warm start "
@@ -378,7 +440,7 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
                 row = " | ".join(f"{value[s]:.2f}" if s in value else "" for s in steps)
                 out.append(f"| {preset} | {row} |")
         out += ["", "| run | rollout s | scoring s | update s |", "|---|---|---|---|"]
-        for preset, p in entry["presets"].items():
+        for preset, p in labelled(entry):
             for seed, f in sorted(p["seeds"].items()):
                 cost = " | ".join(f"{f.get(f'{ph}_s', float('nan')):.0f}" for ph in PHASES)
                 out.append(f"| {preset} s{seed} | {cost} |")
@@ -408,7 +470,7 @@ def plot(results: dict[str, Any], lines: dict[str, Any], out_dir: Path) -> None:
     for game, entry in results.items():
         metric, warm = GAMES[game]["metric"], entry["warm_start"]
         fig, [[success, strategy]] = panels(1, 2)
-        for preset, p in entry["presets"].items():
+        for preset, p in labelled(entry):
             seeds = list(p["seeds"].values())
             for ax, key in ((success, "heldout_curve"), (strategy, "heldout_metric_curve")):
                 curve = mean_curve([f.get(key) for f in seeds])
@@ -480,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warm start of {game}: {time.perf_counter() - started:.0f} s", flush=True)
             if args.lr_probe:
                 for lr in LR_PROBE:
-                    record = run_probe(game, lr, root, args.model_path, args.loggers)
+                    cell = probe_cell(game, lr)
+                    record = run_cell(cell, root, args.model_path, args.loggers, steps=PROBE_STEPS)
                     print(f"lr probe {game} --lr {lr}: {_state(record)}", flush=True)
                 continue
             todo = [c for c in cells((game,))]

@@ -214,9 +214,11 @@ def launch(
     threads: int = 0,
     cache: Path | None = None,
     loggers: str | None = None,
+    resume_flags: list[str] | None = None,
 ) -> dict:
     """Runs ``python -m <module> <args> --run-dir <run_dir>`` unless it finished (a
-    ``study.json`` beside it: skipped) or resumes it (``--resume``) if it was killed; writes
+    ``study.json`` beside it: skipped) or resumes it (``--resume`` and ``resume_flags``: fields
+    a resumed run may change, such as ``--steps``) if it was killed; writes
     ``study.json`` (the cell and the wall time) when it ends. ``threads``: XLA CPU threads.
     ``cache``: JAX's persistent compilation cache, shared by the study's runs (runs that differ
     only in seed compile the same programs: the second one reads them instead of compiling; a
@@ -226,7 +228,7 @@ def launch(
     if finished is not None:
         return {**finished, "skipped": True}
     if (run_dir / "config.json").exists():  # killed earlier: continue it with its own config
-        cmd = ["--resume", "--run-dir", str(run_dir)]
+        cmd = ["--resume", "--run-dir", str(run_dir), *(resume_flags or [])]
     else:
         cmd = [*args, "--run-dir", str(run_dir)]
     if loggers:
