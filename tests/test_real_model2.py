@@ -129,6 +129,7 @@ def test_the_study_runs_in_order_resumes_and_reports(tmp_path, monkeypatch):
     assert set(earlier["presets"]) == {"mpo", "grpo"}
     assert np.isclose(earlier["mpo_minus_grpo"]["heldout_final"]["mean"], (0.9 - 0.6) * 0.5)
     assert "At `--lr 1e-4`" in text and "| mpo @ 1e-4 | 0.90 | 0.90 | 0.90 | 0.90 |" in text
+    assert "paired by seed (1 seed): held-out end +15 (one seed) points" in text  # no interval
 
     cell, best = best_run(results, real_model2.EXPORTED_GAME, Cell)
     ends = {(p, int(k)): f["heldout_final"] for p, e in entry["presets"].items()

@@ -355,11 +355,9 @@ def preset_table(rate: dict[str, Any], metric: str) -> list[str]:
         errors = [f.get("format_errors") for f in p["seeds"].values()]
         errors = np.nanmean([np.nan if e is None else e for e in errors])
         lift = p.get("lift_same_tasks")
-        lift = (f"{100 * lift['mean']:+.0f} [{100 * lift['low']:+.0f}, "
-                f"{100 * lift['high']:+.0f}]") if lift else ""  # fmt: skip
         out.append(
-            f"| {preset} | {end['n']} | {_pct(end['mean'], end['low'], end['high'])} "
-            f"| {lift} | {_pct(auc['mean'], auc['low'], auc['high'])} | {metric_end:.2f} "
+            f"| {preset} | {end['n']} | {_over_seeds(end)} | {_over_seeds(lift, signed=True)} "
+            f"| {_over_seeds(auc)} | {metric_end:.2f} "
             f"| {100 * errors:.0f}% | {each} | {p['wall_s']['mean'] / 60:.0f} |"
         )
     diff = rate.get("mpo_minus_grpo")
@@ -367,9 +365,8 @@ def preset_table(rate: dict[str, Any], metric: str) -> list[str]:
         d, a = diff["heldout_final"], diff["heldout_auc"]
         out += [
             "",
-            f"MPO - GRPO, paired by seed ({d['n']} seeds): held-out end "
-            f"{100 * d['mean']:+.0f} points [{100 * d['low']:+.0f}, {100 * d['high']:+.0f}], "
-            f"AUC {100 * a['mean']:+.0f} [{100 * a['low']:+.0f}, {100 * a['high']:+.0f}].",
+            f"MPO - GRPO, paired by seed ({d['n']} seed{'s' if d['n'] > 1 else ''}): held-out "
+            f"end {_over_seeds(d, signed=True)} points, AUC {_over_seeds(a, signed=True)}.",
         ]
     return out
 
@@ -560,6 +557,17 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, lines, out)
     print(f"wrote {out}/results.md, results.json and curves_*.png")
     return 0
+
+
+def _over_seeds(figure: dict[str, Any] | None, signed: bool = False) -> str:
+    """A mean over seeds in points with its bootstrap interval; one seed has no interval."""
+    if not figure:
+        return ""
+    sign = "+" if signed else ""
+    mean = f"{100 * figure['mean']:{sign}.0f}"
+    if figure["n"] < 2:
+        return f"{mean} (one seed)"
+    return f"{mean} [{100 * figure['low']:{sign}.0f}, {100 * figure['high']:{sign}.0f}]"
 
 
 def _state(record: dict[str, Any]) -> str:
