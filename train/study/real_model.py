@@ -500,13 +500,12 @@ def export_best(root: Path, results: dict[str, Any], model: str, *, game: str = 
 
 def export_run(root: Path, cell, figures: dict[str, Any]) -> dict[str, Any]:
     """Exports ``cell``'s run (``train.export``, float32) to
-    ``<runs>/export-<game>-<preset>-seed<k>`` (the run directory's parts under ``root``, joined
-    by ``-``: named for the run: a later best run never reuses an
-    earlier one's export), loads it with transformers and compares its logits with the run's own
-    on one held-out prompt, then evaluates the export with ``train.evaluate`` on `EXPORT_TASKS`
-    x `EXPORT_K` held-out episodes; ``agrees``: the export's rate lies within the run's last
-    evaluation's Wilson interval. ``cell``: any study's (``game``, ``preset``, ``seed``,
-    ``run_dir(root)``); ``figures``: its `run_figures`."""
+    ``<runs>/export-<game>-<preset>-seed<k>`` (the run directory's parts under ``root`` joined by
+    ``-``, so a later best run never reuses an earlier one's export), loads it with transformers
+    and compares its logits with the run's own on one held-out prompt, then evaluates the export
+    with ``train.evaluate`` on `EXPORT_TASKS` x `EXPORT_K` held-out episodes; ``agrees``: the
+    export's rate lies within the run's last evaluation's Wilson interval. ``cell``: any study's
+    (``game``, ``preset``, ``seed``, ``run_dir(root)``); ``figures``: its `run_figures`."""
     import jax.numpy as jnp
     import torch
     import transformers

@@ -233,13 +233,14 @@ def probe_figures(root: Path, game: str, warm: dict[str, Any]) -> dict[str, dict
 
 def cell_figures(cell: Cell, root: Path, warm: dict[str, Any]) -> dict[str, Any] | None:
     """A run's figures once it finished the budget (round 1's `run_figures`, from the warm
-    start), plus the
-    strategy metric and format errors of its last held-out evaluation."""
+    start), plus the strategy metric and format errors of its last held-out evaluation."""
     run_dir = cell.run_dir(root)
     rows, done = read_metrics(run_dir), finished_record(run_dir)
-    if done is None or not rows or _config_steps(run_dir) < BUDGET_STEPS:
-        return None  # not finished, or finished as the probe only
+    if done is None or not rows:
+        return None
     config = json.loads((run_dir / "config.json").read_text())
+    if config.get("steps", 0) < BUDGET_STEPS:
+        return None  # finished as the probe only
     figures = run_figures(rows, warm["success"], config["eval_episodes"] * config["eval_k"])
     last = [r for r in rows if HELDOUT in r][-1]
     metric = GAMES[cell.game]["metric"]
