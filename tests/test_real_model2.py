@@ -181,3 +181,25 @@ def test_the_probe_is_the_first_steps_of_each_rates_mpo_seed0_and_the_study_exte
     mpo0 = results["presets"]["mpo"]["seeds"]["0"]
     assert mpo0["heldout_curve"][0] == [0, 5, 10, 15, 20] and np.isclose(mpo0["heldout_final"], 0.9)
     assert results["lr_probe"] == probe  # the probe still reads the first 10 steps
+
+
+def test_the_study_runs_only_the_chosen_presets_and_seeds(tmp_path, monkeypatch):
+    calls = []
+    argv, out = _study(tmp_path, monkeypatch, calls, {})
+    assert real_model2.main([*argv, "--presets", "mpo,grpo", "--seeds", "1"]) == 0
+    runs = tmp_path / "runs" / "guess-the-number" / f"lr{real_model2.STUDY_LR}"
+    assert [d for m, d in calls if m == "train.run"] == [runs / "mpo/seed1", runs / "grpo/seed1"]
+    pair = json.loads((out / "results.json").read_text())["guess-the-number"]["mpo_minus_grpo"]
+    assert pair["heldout_final"]["each"] == [pytest.approx(FINAL["mpo"][1] - FINAL["grpo"][1])]
+    for bad, says in ((["--presets", "mpo,ppo"], r"--presets: unknown \['ppo'\]"),
+                      (["--seeds", "0,-1"], "--seeds: '0,-1' must be")):  # fmt: skip
+        with pytest.raises(SystemExit, match=says):
+            real_model2.main([*argv, *bad])
+
+
+def test_a_warm_start_keeps_only_each_layers_input_and_resumes_so(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(real_model2, "launch", lambda *a, **kw: seen.update(args=a[1], **kw))
+    real_model2.make_warm_start("frozen-lake", tmp_path, "model")
+    assert seen["resume_flags"] == ["--remat", "full"]
+    assert seen["args"][seen["args"].index("--remat") + 1] == "full"

@@ -50,6 +50,20 @@ def test_a_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_resume_keeps_the_warm_starts_data_and_may_change_what_it_keeps_in_memory(tmp_path):
+    assert sft.main([*TINY, "--eval-every", "0", "--steps", "1", "--run-dir", str(tmp_path)]) == 0
+    before = json.loads((tmp_path / "config.json").read_text())
+    for bad, field in ((["--demos", "8"], "--demos=8"), (["--lr", "0.5"], "--lr=0.5")):
+        with pytest.raises(SystemExit, match=rf"--resume: {field} \(the run has"):
+            sft.parse(["--resume", "--run-dir", str(tmp_path), *bad])
+    # --remat changes memory, not a gradient: a warm start that ran out of memory resumes with it
+    resumed = ["--resume", "--run-dir", str(tmp_path), "--steps", "2", "--remat", "full"]
+    assert sft.main(resumed) == 0
+    assert json.loads((tmp_path / "config.json").read_text()) == {
+        **before, "steps": 2, "remat": "full"}  # fmt: skip
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
 def _actor_like(run_dir):
     from flax import nnx
 

@@ -296,6 +296,7 @@ def test_resume_refuses_a_flag_that_differs_from_the_run_and_allows_the_listed_o
         parse_args(["--resume", "--run-dir", str(tmp_path), "--algo-set", "beta=0.1"])
     cfg = parse_args(["--resume", "--run-dir", str(tmp_path), "--steps", "3", "--no-progress"])
     assert (cfg.preset, cfg.steps, cfg.resume) == ("grpo", 3, True)
+    assert parse_args(["--resume", "--run-dir", str(tmp_path), "--remat", "full"]).remat == "full"
     assert (tmp_path / "config.json").read_bytes() == before  # parsing writes nothing
     with pytest.raises(SystemExit, match="no run to resume"):
         parse_args(["--resume", "--run-dir", str(tmp_path / "none")])

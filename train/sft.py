@@ -53,7 +53,7 @@ from kernels.logprobs import logprobs_and_entropy
 from mpo_jax.batch import padded_length
 from train.core.build import compute_dtype, initial_actor, model_config, run_codec
 from train.core.checkpoint import Checkpoints
-from train.core.config import HELP, TrainConfig, read_run_config
+from train.core.config import HELP, RESUMABLE, TrainConfig, resume_values
 from train.core.episodes import EVAL_STREAM, fit_tasks, length_budget, sampling_key
 from train.core.evaluation import (
     EvaluationFailed,
@@ -369,12 +369,17 @@ def parse(argv) -> tuple[TrainConfig, SFTConfig]:
         path = Path(given.get("run_dir", TrainConfig.run_dir)) / "config.json"
         if not path.exists():
             raise SystemExit(f"--resume: {path} does not exist (start without --resume)")
-        stored = json.loads(path.read_text())
-        sft = {**stored.pop("sft"), **{k: v for k, v in given.items() if k in SFT_HELP}}
-        run = {**read_run_config(path), "resume": True}
-        keep = ("steps", "eval_every", "checkpoint_every", "progress", "run_dir", "loggers",
-                "tracker_project")  # fmt: skip
-        run.update({k: v for k, v in given.items() if k in keep})
+        sft = json.loads(path.read_text())["sft"]
+        changed = [
+            f"--{k.replace('_', '-')}={v!r} (the run has {sft.get(k)!r})"
+            for k, v in sorted(given.items())
+            if k in SFT_HELP and v != sft.get(k)
+        ]
+        if changed:
+            raise SystemExit(f"--resume: {', '.join(changed)} differ from {path}; a resumed "
+                             "warm start keeps its data")  # fmt: skip
+        # the run's fields as train.run resumes them: only RESUMABLE ones may change
+        run = resume_values({k: v for k, v in given.items() if k not in SFT_HELP})
         return TrainConfig(**run), SFTConfig(**sft)
     sets = {}
     for item in given.pop("env_set", []) or []:
@@ -410,9 +415,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = state["cfg"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not cfg.resume:
-        values = {**dataclasses.asdict(cfg), "resume": False, "sft": dataclasses.asdict(sft)}
-        (run_dir / "config.json").write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+    path = run_dir / "config.json"
+    values = {**dataclasses.asdict(cfg), "resume": False, "sft": dataclasses.asdict(sft)}
+    if cfg.resume:  # the stored run, with the resumable fields this invocation changed
+        stored = json.loads(path.read_text())
+        values = {**stored, **{k: values[k] for k in RESUMABLE if values[k] != stored.get(k)}}
+    path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
     return _train(cfg, sft, state, run_dir)
 
 

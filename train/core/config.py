@@ -40,6 +40,7 @@ __all__ = [
     "parse_args",
     "save_config",
     "read_run_config",
+    "resume_values",
     "check_mesh_fit",
 ]
 
@@ -47,6 +48,7 @@ __all__ = [
 # Fields that may differ from the run's config.json on --resume (they change no computed number).
 RESUMABLE = (
     "steps",
+    "remat",  # what the backward pass keeps: memory, not the gradients (tests/test_memory.py)
     "eval_every",
     "checkpoint_every",
     "keep_checkpoints",
@@ -579,13 +581,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         raise SystemExit(f"config: unknown field(s) {unknown}")
     given = sorted(values)
     if values.get("resume"):
-        values = _resume_values(values)
+        values = resume_values(values)
     cfg = TrainConfig(**values)
     cfg.given_fields = tuple(given)  # the flags (and --config values) the user gave
     return cfg
 
 
-def _resume_values(given: dict[str, Any]) -> dict[str, Any]:
+def resume_values(given: dict[str, Any]) -> dict[str, Any]:
     """The run's own config.json, with the given values checked against it."""
     run_dir = given.get("run_dir", TrainConfig.run_dir)
     path = Path(run_dir) / "config.json"
