@@ -191,6 +191,9 @@ def test_the_study_runs_only_the_chosen_presets_and_seeds(tmp_path, monkeypatch)
     assert [d for m, d in calls if m == "train.run"] == [runs / "mpo/seed1", runs / "grpo/seed1"]
     pair = json.loads((out / "results.json").read_text())["guess-the-number"]["mpo_minus_grpo"]
     assert pair["heldout_final"]["each"] == [pytest.approx(FINAL["mpo"][1] - FINAL["grpo"][1])]
+    assert real_model2.main([*argv, "--presets", "mpo,grpo", "--seeds", "0"]) == 0
+    text = (out / "results.md").read_text()  # two seeds: a range, not an interval
+    assert "paired by seed (2 seeds): held-out end +20 (two seeds: +10 to +30) points" in text
     for bad, says in ((["--presets", "mpo,ppo"], r"--presets: unknown \['ppo'\]"),
                       (["--seeds", "0,-1"], "--seeds: '0,-1' must be")):  # fmt: skip
         with pytest.raises(SystemExit, match=says):

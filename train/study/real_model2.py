@@ -384,7 +384,8 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
         "",
         "Written by `python -m train.study.real_model2`. Held-out success in %, 95% intervals in "
         "brackets: Wilson over episodes for the start and the warm start, bootstrap over seeds "
-        "for a preset's mean, and over the seed-paired differences for MPO - GRPO. A run at "
+        "for a preset's mean, and over the seed-paired differences for MPO - GRPO (over two "
+        "seeds that is only their range, printed as one: *a to b*). A run at "
         "seed s is evaluated on the same 25 held-out tasks as the warm start's seed-s "
         "evaluation: *end - warm start, same tasks* is paired on tasks (the samples differ).",
         "",
@@ -589,14 +590,18 @@ def _chosen_cells(
 
 
 def _over_seeds(figure: dict[str, Any] | None, signed: bool = False) -> str:
-    """A mean over seeds in points with its bootstrap interval; one seed has no interval."""
+    """A mean over seeds in points with its bootstrap interval. One seed has no interval, and two
+    seeds' bootstrap "interval" is only their range (its resamples' means are a, (a + b) / 2 and
+    b), so it is printed as a range."""
     if not figure:
         return ""
     sign = "+" if signed else ""
-    mean = f"{100 * figure['mean']:{sign}.0f}"
+    mean, low, high = (f"{100 * figure[k]:{sign}.0f}" for k in ("mean", "low", "high"))
     if figure["n"] < 2:
         return f"{mean} (one seed)"
-    return f"{mean} [{100 * figure['low']:{sign}.0f}, {100 * figure['high']:{sign}.0f}]"
+    if figure["n"] == 2:
+        return f"{mean} (two seeds: {low} to {high})"
+    return f"{mean} [{low}, {high}]"
 
 
 def _state(record: dict[str, Any]) -> str:
