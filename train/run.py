@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 
 from train.core.checkpoint import Checkpoints
-from train.core.config import RESUMABLE, TrainConfig, parse_args, read_run_config
+from train.core.config import TrainConfig, parse_args, read_run_config, resumed_changes
 from train.core.config import save_config as write_config
 from train.core.distributed import initialize_from_env
 from train.core.evaluation import EvaluationFailed, evaluate_after_save, evaluation_pending
@@ -53,7 +53,7 @@ def _write_config(trainer: Trainer, path: Path) -> None:
     cfg = trainer.cfg
     if cfg.resume and path.exists():
         stored = read_run_config(path)
-        changed = {k: getattr(cfg, k) for k in RESUMABLE if stored.get(k) != getattr(cfg, k)}
+        changed = resumed_changes(cfg, stored)
         if not changed:
             return
         cfg = dataclasses.replace(cfg, run_dir=stored.get("run_dir", cfg.run_dir), **changed)

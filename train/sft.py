@@ -53,7 +53,13 @@ from kernels.logprobs import logprobs_and_entropy
 from mpo_jax.batch import padded_length
 from train.core.build import compute_dtype, initial_actor, model_config, run_codec
 from train.core.checkpoint import Checkpoints
-from train.core.config import HELP, RESUMABLE, TrainConfig, resume_values
+from train.core.config import (
+    HELP,
+    TrainConfig,
+    differing_flags,
+    resume_values,
+    resumed_changes,
+)
 from train.core.episodes import EVAL_STREAM, fit_tasks, length_budget, sampling_key
 from train.core.evaluation import (
     EvaluationFailed,
@@ -370,11 +376,7 @@ def parse(argv) -> tuple[TrainConfig, SFTConfig]:
         if not path.exists():
             raise SystemExit(f"--resume: {path} does not exist (start without --resume)")
         sft = json.loads(path.read_text())["sft"]
-        changed = [
-            f"--{k.replace('_', '-')}={v!r} (the run has {sft.get(k)!r})"
-            for k, v in sorted(given.items())
-            if k in SFT_HELP and v != sft.get(k)
-        ]
+        changed = differing_flags({k: v for k, v in given.items() if k in SFT_HELP}, sft)
         if changed:
             raise SystemExit(f"--resume: {', '.join(changed)} differ from {path}; a resumed "
                              "warm start keeps its data")  # fmt: skip
@@ -416,10 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = state["cfg"]
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.json"
-    values = {**dataclasses.asdict(cfg), "resume": False, "sft": dataclasses.asdict(sft)}
-    if cfg.resume:  # the stored run, with the resumable fields this invocation changed
-        stored = json.loads(path.read_text())
-        values = {**stored, **{k: values[k] for k in RESUMABLE if values[k] != stored.get(k)}}
+    if not cfg.resume:
+        values = {**dataclasses.asdict(cfg), "resume": False, "sft": dataclasses.asdict(sft)}
+    else:  # the stored run, with the resumable fields this invocation changed (if any)
+        values = json.loads(path.read_text())
+        values.update(resumed_changes(cfg, values))
     path.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
     return _train(cfg, sft, state, run_dir)
 

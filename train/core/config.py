@@ -41,6 +41,8 @@ __all__ = [
     "save_config",
     "read_run_config",
     "resume_values",
+    "differing_flags",
+    "resumed_changes",
     "check_mesh_fit",
 ]
 
@@ -587,6 +589,23 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     return cfg
 
 
+def differing_flags(
+    given: dict[str, Any], stored: dict[str, Any], *, allowed: tuple[str, ...] = ()
+) -> list[str]:
+    """``--flag=value (the run has stored)`` for each given field outside ``allowed`` whose value
+    differs from the run's: what a resume refuses."""
+    return [
+        f"{_flag(name)}={value!r} (the run has {stored.get(name)!r})"
+        for name, value in sorted(given.items())
+        if name not in allowed and value != stored.get(name)
+    ]
+
+
+def resumed_changes(cfg: TrainConfig, stored: dict[str, Any]) -> dict[str, Any]:
+    """The `RESUMABLE` fields a resumed ``cfg`` changed against the run's stored config.json."""
+    return {k: getattr(cfg, k) for k in RESUMABLE if stored.get(k) != getattr(cfg, k)}
+
+
 def resume_values(given: dict[str, Any]) -> dict[str, Any]:
     """The run's own config.json, with the given values checked against it."""
     run_dir = given.get("run_dir", TrainConfig.run_dir)
@@ -597,11 +616,7 @@ def resume_values(given: dict[str, Any]) -> dict[str, Any]:
             "(start it without --resume)"
         )
     stored = read_run_config(path)
-    conflicts = [
-        f"{_flag(name)}={value!r} (the run has {stored.get(name)!r})"
-        for name, value in sorted(given.items())
-        if name not in ("resume", "run_dir", *RESUMABLE) and value != stored.get(name)
-    ]
+    conflicts = differing_flags(given, stored, allowed=("resume", "run_dir", *RESUMABLE))
     if conflicts:
         raise SystemExit(
             f"--resume: {', '.join(conflicts)} differ from {path}; a resumed run keeps its "
