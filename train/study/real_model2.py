@@ -93,8 +93,8 @@ GAMES: dict[str, dict[str, Any]] = {
 }
 LORA = ["--lora-rank", "16", "--lora-alpha", "32"]
 # the warm start's memory: each decoder layer keeps only its input for the backward pass (one
-# update of 8 rows of 1024 tokens: 1.1 GiB of temporaries against 13 GiB keeping everything);
-# a resumed warm start takes it too (it changes no gradient)
+# update of 8 rows of 1024 tokens: 1.1 GiB of temporaries against 13 GiB keeping everything,
+# benchmarks/sft_memory.py); a resumed warm start takes it too (it changes no gradient)
 SFT_MEMORY = ["--remat", "full"]
 # the warm start: 256 demonstration games (about 100 assistant tokens each), 40 steps of 8
 SFT_FLAGS = [
