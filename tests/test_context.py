@@ -38,12 +38,14 @@ def test_a_step_split_over_the_context_axis_equals_the_one_device_step():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1300)  # its script may take the 1200 s _context_script allows
 def test_every_context_mesh_equals_the_one_device_step_dense_and_moe():
     stdout = _context_script()
     assert stdout.count("max |difference|") == 11
 
 
 @pytest.mark.slow  # a search compiles a dozen plans on 4 fake devices (about three minutes)
+@pytest.mark.timeout(1300)
 def test_the_proposer_splits_a_row_over_context_when_one_row_does_not_fit_a_device():
     script = ROOT / "tests" / "scripts" / "context_plan.py"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -116,6 +118,7 @@ def test_a_context_size_that_does_not_divide_the_devices_is_refused(tmp_path, ca
 
 
 @pytest.mark.slow  # a proposer's search over Qwen3-8B's programs at 32k (4-9 minutes)
+@pytest.mark.timeout(1900)
 def test_qwen3_8b_at_32k_fits_eight_95_gb_devices_with_the_row_over_four():
     flags = ["--model-path", str(ROOT / "benchmarks" / "configs" / "qwen3-8b"), "--env", "search",
              "--max-len", "32768", "--devices", "8", "--device-memory", "95e9",

@@ -255,6 +255,7 @@ def test_the_device_count_named_is_the_fewest_on_which_every_program_would_fit()
 
 
 @pytest.mark.slow  # three plans at 1 device and a search at 16 (about a minute here)
+@pytest.mark.timeout(1300)
 def test_a_refusal_names_a_device_count_that_applied_fits(tmp_path):
     import re
 
