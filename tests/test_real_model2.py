@@ -206,3 +206,44 @@ def test_a_warm_start_keeps_only_each_layers_input_and_resumes_so(tmp_path, monk
     real_model2.make_warm_start("frozen-lake", tmp_path, "model")
     assert seen["resume_flags"] == ["--remat", "full"]
     assert seen["args"][seen["args"].index("--remat") + 1] == "full"
+
+
+def test_a_recorded_warm_start_is_checked_on_one_seed_and_remeasured_where_it_differs(
+    tmp_path, monkeypatch, capsys
+):
+    calls = []
+    argv, out = _study(tmp_path, monkeypatch, calls, {})
+    one_cell = [*argv, "--presets", "mpo", "--seeds", "0"]
+    assert real_model2.main(one_cell) == 0  # nothing recorded: every seed measured
+    assert [m for m, _ in calls].count("train.evaluate") == 4
+    record = json.loads((out / "results.json").read_text())["guess-the-number"]["warm_start"]
+    assert record["each_metric"] == {str(s): 0.45 for s in real_model2.WARM_SEEDS}
+
+    def on_a_fresh_machine(runs: str) -> list[str]:
+        calls.clear()
+        assert real_model2.main([*one_cell[:3], str(tmp_path / runs), *one_cell[4:]]) == 0
+        return [str(d.relative_to(tmp_path / runs)) for m, d in calls if m == "train.evaluate"]
+
+    # the same warm start made again elsewhere: seed 0 is measured, equals the record, and the
+    # record stands for the rest
+    assert on_a_fresh_machine("runs2") == ["guess-the-number/warmstart-eval/seed0"]
+    assert "matches its record on seed 0's tasks" in capsys.readouterr().out
+    assert json.loads((out / "results.json").read_text())["guess-the-number"]["warm_start"] == (
+        record
+    )
+
+    # one that differs (success 0.56 where the record says 0.54): said, and every seed measured
+    def differs(origin, game, seed, out_dir, root, what):
+        calls.append(("train.evaluate", Path(out_dir)))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "metrics.json").write_text(json.dumps({
+            "eval_heldout_success_rate": 0.56, "eval_heldout_env_format_error_rate": 0.0,
+            "eval_heldout_env_hint_consistency": 0.45}))  # fmt: skip
+
+    monkeypatch.setattr(real_model2, "_evaluate_held_out", differs)
+    assert len(on_a_fresh_machine("runs3")) == 4
+    err = capsys.readouterr().err
+    assert "warning: the warm start of guess-the-number differs from its record on seed 0" in err
+    assert "(0.56, 0.45) against (0.54, 0.45)" in err
+    warm = json.loads((out / "results.json").read_text())["guess-the-number"]["warm_start"]
+    assert warm["success"] == 0.56  # the new measurement replaces the record
