@@ -74,14 +74,19 @@ def _fake_runs(monkeypatch, calls):
     def evaluate(origin, game, seed, out, root, what):  # as the real one: skipped when there
         if (out / "metrics.json").exists():
             return
-        calls.append(("train.evaluate", Path(out)))
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.json").write_text(json.dumps({
-            "eval_heldout_success_rate": 0.54, "eval_heldout_env_format_error_rate": 0.02,
-            "eval_heldout_env_hint_consistency": 0.45}))  # fmt: skip
+        _write_evaluation(calls, out, success=0.54)
 
     monkeypatch.setattr(real_model2, "launch", launch)
     monkeypatch.setattr(real_model2, "_evaluate_held_out", evaluate)
+
+
+def _write_evaluation(calls, out: Path, *, success: float) -> None:
+    """A fake held-out evaluation into ``out``: ``success``, 2% format errors, 0.45 consistency."""
+    calls.append(("train.evaluate", Path(out)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps({
+        "eval_heldout_success_rate": success, "eval_heldout_env_format_error_rate": 0.02,
+        "eval_heldout_env_hint_consistency": 0.45}))  # fmt: skip
 
 
 def _study(tmp_path, monkeypatch, calls, lines) -> tuple[list[str], Path]:
@@ -234,11 +239,7 @@ def test_a_recorded_warm_start_is_checked_on_one_seed_and_remeasured_where_it_di
 
     # one that differs (success 0.56 where the record says 0.54): said, and every seed measured
     def differs(origin, game, seed, out_dir, root, what):
-        calls.append(("train.evaluate", Path(out_dir)))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "metrics.json").write_text(json.dumps({
-            "eval_heldout_success_rate": 0.56, "eval_heldout_env_format_error_rate": 0.0,
-            "eval_heldout_env_hint_consistency": 0.45}))  # fmt: skip
+        _write_evaluation(calls, out_dir, success=0.56)
 
     monkeypatch.setattr(real_model2, "_evaluate_held_out", differs)
     assert len(on_a_fresh_machine("runs3")) == 4

@@ -175,16 +175,22 @@ def measure_warm_start(game: str, root: Path, recorded: dict[str, Any] | None = 
     report has recorded one (``recorded``, with ``each`` and ``each_metric``) only the first seed
     is evaluated and compared: equal in success and in the strategy metric, the other seeds are
     the record's; different, every seed is evaluated and the new figures replace the record."""
-    origin, (first, second) = ["--run-dir", str(warm_dir(root, game))], WARM_SEEDS[:2]
-    recheck = recorded is not None and "each_metric" in recorded  # older records: every seed
-    for seed in WARM_SEEDS:
+    origin = ["--run-dir", str(warm_dir(root, game))]
+
+    def evaluate(seed: int) -> None:
         out = _warm_eval(root, game, seed).parent
         _evaluate_held_out(origin, game, seed, out, root, f"the warm start of {game}")
-        if seed == first and recheck and not _warm_eval(root, game, second).exists():
-            if _matches_record(game, root, first, recorded):
-                print(f"the warm start of {game} matches its record on seed {first}'s tasks: "
-                      "the other seeds' figures are the record's", flush=True)  # fmt: skip
-                return
+
+    first, *rest = WARM_SEEDS
+    evaluate(first)
+    recheck = recorded is not None and "each_metric" in recorded  # older records: every seed
+    if recheck and not _warm_eval(root, game, rest[0]).exists():
+        if _matches_record(game, root, first, recorded):
+            print(f"the warm start of {game} matches its record on seed {first}'s tasks: "
+                  "the other seeds' figures are the record's", flush=True)  # fmt: skip
+            return
+    for seed in rest:
+        evaluate(seed)
 
 
 def _matches_record(game: str, root: Path, seed: int, recorded: dict[str, Any]) -> bool:
@@ -193,7 +199,7 @@ def _matches_record(game: str, root: Path, seed: int, recorded: dict[str, Any]) 
     measured = json.loads(_warm_eval(root, game, seed).read_text())
     metric = GAMES[game]["metric"]
     now = (measured[HELDOUT], measured.get(f"eval_heldout_env_{metric}"))
-    before = (recorded["each"].get(str(seed)), recorded.get("each_metric", {}).get(str(seed)))
+    before = (recorded["each"].get(str(seed)), recorded["each_metric"].get(str(seed)))
     if now != before:
         print(f"warning: the warm start of {game} differs from its record on seed {seed}'s "
               f"tasks (success, {metric}: {now} against {before}): every seed is evaluated",
