@@ -17,7 +17,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from train import sft
 from train.study.real_model import MODEL
@@ -35,20 +34,12 @@ def compiled_update(env: str, remat: str, rows: int, length: int) -> dict[str, f
         cfg, data = sft.parse(["--model-path", MODEL, "--env", env, "--demo-player",
                                GAMES[env]["demo_player"], *flags, "--demos", "8", "--val-demos",
                                "1", "--remat", remat, "--run-dir", run_dir])  # fmt: skip
-        s = sft._setup(cfg, data)
-    graphdef, roles, tx = s["graphdef"], s["roles"], s["tx"]
-
-    def update(params, opt, tokens, mask):
-        def loss(p):
-            return sft._loss(graphdef, roles.params("actor", p), tokens, mask, None)
-
-        (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, value
-
+        s = sft.setup(cfg, data)
+    update = sft.make_update(s)
     tokens = jax.ShapeDtypeStruct((rows, length), jnp.int32)
     mask = jax.ShapeDtypeStruct((rows, length), jnp.bool_)
-    m = jax.jit(update).lower(s["params"], s["opt"], tokens, mask).compile().memory_analysis()
+    lowered = jax.jit(update).lower(s["params"], s["opt"], tokens, mask, None)
+    m = lowered.compile().memory_analysis()
     return {"temp": m.temp_size_in_bytes / GIB, "args": m.argument_size_in_bytes / GIB}
 
 

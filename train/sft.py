@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         check_loggers(cfg.loggers)
-        state = _setup(cfg, sft)
+        state = setup(cfg, sft)
     except (ValueError, FileNotFoundError) as e:
         print(f"refused (nothing was written): {e}", file=sys.stderr)
         return 2
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     return _train(cfg, sft, state, run_dir)
 
 
-def _setup(cfg: TrainConfig, sft: SFTConfig) -> dict[str, Any]:
+def setup(cfg: TrainConfig, sft: SFTConfig) -> dict[str, Any]:
     """The codec, model, optimizer and data of a run (everything checked; nothing written)."""
     cfg = dataclasses.replace(cfg, compute_dtype=compute_dtype(cfg.compute_dtype))
     probe = envs.make(cfg.env, seed=0, **{**cfg.env_set, "split": "train"})
@@ -483,8 +483,27 @@ def _setup(cfg: TrainConfig, sft: SFTConfig) -> dict[str, Any]:
     return out
 
 
+def make_update(s: dict):
+    """One SFT step of a run set up by `setup`, unjitted: gradient of the masked mean NLL
+    ``-sum(mask * log p(token)) / sum(mask)`` with respect to what trains (LoRA: the adapters).
+
+    ``update(params, opt, tokens, mask, starts) -> (params, opt, loss, count, grad norm)``.
+    """
+    graphdef, roles, tx = s["graphdef"], s["roles"], s["tx"]
+
+    def update(params, opt, tokens, mask, starts):
+        (loss, count), grads = jax.value_and_grad(
+            lambda p: _loss(graphdef, roles.params("actor", p), tokens, mask, starts),
+            has_aux=True,
+        )(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, loss, count, optax.tree.norm(grads)
+
+    return update
+
+
 def _train(cfg: TrainConfig, sft: SFTConfig, s: dict, run_dir: Path) -> int:
-    graphdef, tx = s["graphdef"], s["tx"]
+    graphdef = s["graphdef"]
     checkpoints = Checkpoints(run_dir / "checkpoints", keep=cfg.keep_checkpoints)
     roles = s["roles"]
     state = {"actor": s["params"], "actor_opt": s["opt"], "step": 0}
@@ -494,15 +513,7 @@ def _train(cfg: TrainConfig, sft: SFTConfig, s: dict, run_dir: Path) -> int:
         state = checkpoints.restore(state)
     start = int(state["step"])
     loss_fn = jax.jit(_loss, static_argnums=0)
-
-    @jax.jit
-    def update(params, opt, tokens, mask, starts):  # params: what trains (LoRA: the adapters)
-        (loss, count), grads = jax.value_and_grad(
-            lambda p: _loss(graphdef, roles.params("actor", p), tokens, mask, starts),
-            has_aux=True,
-        )(params)
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, loss, count, optax.tree.norm(grads)
+    update = jax.jit(make_update(s))
 
     train, val = s["train"], s["val"]
     sampler = None
