@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import struct
 import uuid
 from collections import defaultdict
@@ -144,15 +145,14 @@ def test_wandb_offline_holds_the_jsonl_and_config_and_a_resume_continues_its_run
 
 
 @pytest.fixture
-def trackio_project(monkeypatch):
-    """A project of its own in Trackio's store, removed afterwards."""
+def trackio_project():
+    """A project of its own in Trackio's store, which lives in the session's TRACKIO_DIR."""
     from trackio.sqlite_storage import SQLiteStorage
 
     project = f"mpo-jax-test-{uuid.uuid4().hex[:8]}"
     yield project
     path = SQLiteStorage.get_project_db_path(project)
-    for leftover in path.parent.glob(f"{path.stem}*"):
-        leftover.unlink()
+    assert path.is_relative_to(os.environ["TRACKIO_DIR"]), f"{path}: outside the test's TRACKIO_DIR"
 
 
 def _trackio_run(project: str, run_dir: Path):
