@@ -16,12 +16,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-# Trackio keeps its projects under ~/.cache/huggingface/trackio unless TRACKIO_DIR says otherwise,
-# and reads it once, on import: the tracker tests write to a directory of this session's own.
-if "TRACKIO_DIR" not in os.environ:
-    _trackio = tempfile.mkdtemp(prefix="mpo-jax-test-trackio-")
-    atexit.register(shutil.rmtree, _trackio, ignore_errors=True)
-    os.environ["TRACKIO_DIR"] = _trackio
+# Trackio keeps its projects under TRACKIO_DIR (default ~/.cache/huggingface/trackio), read once,
+# on import: the tracker tests write to a directory of this session's own, never the user's store
+# (even one the user chose with TRACKIO_DIR), and it is removed at exit.
+_trackio = tempfile.mkdtemp(prefix="mpo-jax-test-trackio-")
+atexit.register(shutil.rmtree, _trackio, ignore_errors=True)
+os.environ["TRACKIO_DIR"] = _trackio
 
 # The tests' programs are tiny and many: XLA's cheapest CPU code generation compiles them about a
 # quarter faster (measured on the preset sweep) and runs them no slower at these sizes; the
