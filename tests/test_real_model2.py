@@ -44,6 +44,20 @@ def test_a_mean_curve_is_over_the_steps_every_seed_reached():
     assert real_model2.mean_curve([[[5], [0.1]], [[10], [0.2]]]) is None  # no common step
 
 
+def test_both_panels_of_a_games_curves_share_the_training_steps(tmp_path, monkeypatch):
+    """Success is measured from step 0 (the warm start) and the strategy metric from the first
+    evaluation: the panels still show the same steps, so a point lines up with its neighbour."""
+    figures = []
+    monkeypatch.setattr("train.study.figures.save", lambda fig, path: figures.append(fig))
+    seed = {"heldout_curve": [[0, 5, 10], [0.5, 0.6, 0.7]],
+            "heldout_metric_curve": [[5, 10], [0.4, 0.5]]}  # fmt: skip
+    warm = {"success": 0.5, "hint_consistency": 0.45}
+    results = {"guess-the-number": {"warm_start": warm, "presets": {"mpo": {"seeds": {"0": seed}}}}}
+    real_model2.plot(results, {}, tmp_path)
+    success, strategy = figures[0].axes[:2]
+    assert success.get_xlim() == strategy.get_xlim() and success.get_xlim()[0] < 0.5
+
+
 def _fake_runs(monkeypatch, calls):
     """A fake `launch`: a run's held-out success at step s is its end * s / 20 (evaluations every
     5 steps up to ``--steps``); a killed or extended run resumes with ``resume_flags``."""

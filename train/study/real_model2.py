@@ -514,7 +514,7 @@ def plot(results: dict[str, Any], lines: dict[str, Any], out_dir: Path) -> None:
 
     for game, entry in results.items():
         metric, warm = GAMES[game]["metric"], entry["warm_start"]
-        fig, [[success, strategy]] = panels(1, 2)
+        fig, [[success, strategy]] = panels(1, 2, sharex=True)  # the same steps on both
         for preset, p in labelled(entry):
             seeds = list(p["seeds"].values())
             for ax, key in ((success, "heldout_curve"), (strategy, "heldout_metric_curve")):
