@@ -58,6 +58,23 @@ def test_both_panels_of_a_games_curves_share_the_training_steps(tmp_path, monkey
     assert success.get_xlim() == strategy.get_xlim() and success.get_xlim()[0] < 0.5
 
 
+def test_a_warm_start_that_never_wins_reports_its_path_ratio_as_not_measured(tmp_path):
+    """FrozenLake's path_ratio is over won episodes: a warm start with no win has none (n/a, not
+    nan), and its line still gives the shares of moves into holes and off the grid."""
+    for seed in real_model2.WARM_SEEDS:
+        path = real_model2._warm_eval(tmp_path, "frozen-lake", seed)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"eval_heldout_success_rate": 0.0,
+                                    "eval_heldout_env_format_error_rate": 0.0,
+                                    "eval_heldout_env_hole_moves": 0.2 + 0.1 * (seed % 2),
+                                    "eval_heldout_env_wall_moves": 0.05}))  # fmt: skip
+    warm = real_model2.warm_point(tmp_path, "frozen-lake")
+    assert warm["path_ratio"] is None and warm["hole_moves"] == pytest.approx(0.25)
+    text = real_model2._metric_text(warm, "frozen-lake")
+    assert text == "path_ratio n/a; hole_moves 0.25; wall_moves 0.05"
+    assert real_model2._metric_text(warm, "frozen-lake", only=True) == "n/a"
+
+
 def _fake_runs(monkeypatch, calls):
     """A fake `launch`: a run's held-out success at step s is its end * s / 20 (evaluations every
     5 steps up to ``--steps``); a killed or extended run resumes with ``resume_flags``."""

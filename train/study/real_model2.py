@@ -89,7 +89,8 @@ GAMES: dict[str, dict[str, Any]] = {
     "frozen-lake": {
         "demo_player": "random_valid",
         "presets": {"mpo": 2, "grpo": 2},
-        "metric": "path_ratio",
+        "metric": "path_ratio",  # over won episodes: n/a while nothing wins
+        "also": ("hole_moves", "wall_moves"),  # shares of moves: the report's warm-start line
     },
 }
 LORA = ["--lora-rank", "16", "--lora-alpha", "32"]
@@ -216,7 +217,11 @@ def warm_point(root: Path, game: str) -> dict[str, Any] | None:
     if pooled is not None:
         measured = [json.loads(f.read_text()) for f in files]
         key = f"eval_heldout_env_{GAMES[game]['metric']}"
-        pooled[GAMES[game]["metric"]] = float(np.nanmean([m.get(key, np.nan) for m in measured]))
+        values = [m[key] for m in measured if m.get(key) is not None and np.isfinite(m[key])]
+        pooled[GAMES[game]["metric"]] = float(np.mean(values)) if values else None
+        for extra in GAMES[game].get("also", ()):
+            got = [m.get(f"eval_heldout_env_{extra}") for m in measured]
+            pooled[extra] = float(np.mean(got)) if None not in got else None
         pooled["each"] = {str(s): m[HELDOUT] for s, m in zip(WARM_SEEDS, measured, strict=True)}
         pooled["each_metric"] = {
             str(s): m.get(key) for s, m in zip(WARM_SEEDS, measured, strict=True)
@@ -374,6 +379,15 @@ def summarise(root: Path, recorded: dict[str, Any], round1: dict[str, Any]) -> d
     return results
 
 
+def _metric_text(warm: dict[str, Any], game: str, *, only: bool = False) -> str:
+    """The warm start's strategy metric (``n/a`` where no episode defines it, e.g. path_ratio
+    without a win) and, unless ``only``, the game's other policy metrics (``also``)."""
+    metric = GAMES[game]["metric"]
+    shown = (metric,) if only else (metric, *GAMES[game].get("also", ()))
+    text = [f"{k} {'n/a' if warm.get(k) is None else f'{warm[k]:.2f}'}" for k in shown]
+    return ("; ".join(text)).removeprefix(f"{metric} " if only else "")
+
+
 def labelled(entry: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(row label, preset figures) of a game's runs: the study rate's by preset name, an
     earlier rate's as ``<preset> @ <lr>``."""
@@ -449,8 +463,7 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
         out += [
             f"| format-only warm start ({warm['episodes']} episodes) "
             f"| {_pct(warm['success'], *warm['wilson'][1:])}; format errors "
-            f"{100 * warm['format_errors']:.0f}% of turns; {metric} "
-            f"{warm.get(metric, float('nan')):.2f} |",
+            f"{100 * warm['format_errors']:.0f}% of turns; {_metric_text(warm, game)} |",
             "",
             f"At `--lr {STUDY_LR}`, the probe's choice:",
             "",
@@ -477,7 +490,7 @@ def markdown(results: dict[str, Any], lines: dict[str, Any], exported: dict | No
         steps = sorted({s for c in by_step.values() if c for s in c[0]})
         if steps:
             out += ["", f"Held-out {metric} by step (mean over seeds; warm start "
-                    f"{warm.get(metric, float('nan')):.2f}):", "",
+                    f"{_metric_text(warm, game, only=True)}):", "",
                     f"| preset | {' | '.join(f'step {s}' for s in steps)} |",
                     f"|---|{'---|' * len(steps)}"]  # fmt: skip
             for preset, c in by_step.items():
