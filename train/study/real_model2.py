@@ -381,11 +381,16 @@ def summarise(root: Path, recorded: dict[str, Any], round1: dict[str, Any]) -> d
 
 def _metric_text(warm: dict[str, Any], game: str, *, only: bool = False) -> str:
     """The warm start's strategy metric (``n/a`` where no episode defines it, e.g. path_ratio
-    without a win) and, unless ``only``, the game's other policy metrics (``also``)."""
+    without a win): its value alone when ``only``, else named, with the game's other policy
+    metrics (``also``)."""
     metric = GAMES[game]["metric"]
-    shown = (metric,) if only else (metric, *GAMES[game].get("also", ()))
-    text = [f"{k} {'n/a' if warm.get(k) is None else f'{warm[k]:.2f}'}" for k in shown]
-    return ("; ".join(text)).removeprefix(f"{metric} " if only else "")
+
+    def value(key: str) -> str:
+        return "n/a" if warm.get(key) is None else f"{warm[key]:.2f}"
+
+    if only:
+        return value(metric)
+    return "; ".join(f"{k} {value(k)}" for k in (metric, *GAMES[game].get("also", ())))
 
 
 def labelled(entry: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
